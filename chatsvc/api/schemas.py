@@ -1,0 +1,123 @@
+"""Request and response bodies of the native API (sessions, messages, system prompts).
+
+Request bodies forbid unknown fields, so a misspelt option fails loudly
+instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of request bodies."""
+
+
+class CreateSystemPrompt(Request):
+    name: str
+    text: str
+    # Shared prompts are usable by every tenant and their KV blocks are shared
+    # across tenants; the text must then hold nothing secret.
+    shared: bool = False
+
+
+class SystemPromptView(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    text: str
+    shared: bool
+    num_tokens: int
+    created_at: float
+
+
+class SystemPromptList(msgspec.Struct, kw_only=True):
+    system_prompts: list[SystemPromptView]
+
+
+class CreateSession(Request):
+    """Either a stored system prompt by id or inline text; neither = the model's default."""
+
+    system_prompt_id: str | None = None
+    system_prompt: str | None = None
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class SessionView(msgspec.Struct, kw_only=True):
+    id: str
+    system_prompt_id: str | None
+    system_prompt: str | None
+    metadata: dict[str, str]
+    num_messages: int
+    num_tokens: int
+    created_at: float
+    updated_at: float
+
+
+class SessionList(msgspec.Struct, kw_only=True):
+    sessions: list[SessionView]
+    next_cursor: str | None = None
+
+
+class SamplingOptions(Request):
+    """Sampling options shared by native messages; ranges are checked by SamplingParams."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+
+
+class PostMessage(SamplingOptions):
+    content: str
+    stream: bool = False
+
+
+class MessageView(msgspec.Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str
+    created_at: float
+
+
+class MessageList(msgspec.Struct, kw_only=True):
+    session_id: str
+    messages: list[MessageView]
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    ttft_s: float
+    tpot_s: float
+    latency_s: float
+
+
+class TurnResult(msgspec.Struct, kw_only=True):
+    """The answer to one user message; also the data of the final SSE ``done`` event."""
+
+    session_id: str
+    message: MessageView
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    # False when the chat template re-rendered earlier turns, so the new
+    # prompt was not an extension of the stored tokens (cache reuse lost).
+    prefix_reused: bool
+
+
+class TextDelta(msgspec.Struct, kw_only=True):
+    """Data of an SSE ``delta`` event: the next piece of the assistant's text."""
+
+    text: str
+
+
+class Health(msgspec.Struct, kw_only=True):
+    status: str
+    checks: dict[str, str] = msgspec.field(default_factory=dict)

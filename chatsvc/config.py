@@ -1,0 +1,170 @@
+"""Service settings, read once from ``CHATSVC_*`` environment variables.
+
+Engine settings (model, cache sizes, device) are not repeated here: they pass
+through to ``EngineConfig.from_env()``, which reads the same prefix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from chatsvc import paths
+
+ENV_PREFIX = "CHATSVC_"
+LOCAL_TENANT = "local"
+# The store's key names allow only these characters.
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class SettingsError(ValueError):
+    """A setting is missing, malformed or inconsistent with another one."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request and per-tenant limits; every one is enforced before any state changes."""
+
+    max_body_bytes: int = 1_000_000
+    max_message_chars: int = 32_000
+    max_tokens_cap: int = 2048
+    max_n: int = 8
+    max_sessions_per_tenant: int = 10_000
+    max_streams_per_tenant: int = 8
+
+    def validate(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the service needs besides the engine's own configuration.
+
+    ``api_keys`` maps tenant names to their bootstrap API keys. With none, the
+    service is a local single-user tool: it serves one tenant without auth and
+    refuses any host that is not a loopback address (anyone who can reach the
+    port could otherwise use it).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str | None = None
+    # None = chatsvc.paths.data_dir() ($CHATSVC_DATA_DIR or ~/.cache/chatsvc).
+    data_dir: Path | None = None
+    key_prefix: str = "chatsvc"
+    session_ttl_s: int | None = None
+    admin_key: str | None = None
+    api_keys: tuple[tuple[str, str], ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    # None = EngineConfig.from_env() at start-up; tests pass a small config.
+    engine: Any = None
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    def redis_dir(self) -> Path:
+        """Where the embedded server keeps its append-only file when no URL is set."""
+        root = self.data_dir if self.data_dir is not None else paths.data_dir()
+        return root / "redis"
+
+    def validate(self) -> Settings:
+        """Raise SettingsError on the first inconsistency; returns self for chaining."""
+        if not self.host:
+            raise SettingsError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"port must be in 0..65535, got {self.port}")
+        if not _PREFIX_RE.match(self.key_prefix):
+            raise SettingsError(
+                f"key prefix must be 1-64 of [A-Za-z0-9_.-], got {self.key_prefix!r}"
+            )
+        if self.session_ttl_s is not None and self.session_ttl_s < 1:
+            raise SettingsError(f"session TTL must be positive seconds, got {self.session_ttl_s}")
+        if self.admin_key is not None and len(self.admin_key) < 8:
+            raise SettingsError("admin key must be at least 8 characters")
+        names = [name for name, _ in self.api_keys]
+        if len(set(names)) != len(names):
+            raise SettingsError("each tenant may appear once in CHATSVC_API_KEYS")
+        keys = [key for _, key in self.api_keys]
+        if len(set(keys)) != len(keys):
+            raise SettingsError("API keys must be distinct")
+        if self.admin_key is not None and self.admin_key in keys:
+            raise SettingsError("the admin key must differ from every tenant key")
+        self.limits.validate()
+        if not self.auth_enabled and not is_loopback(self.host):
+            raise SettingsError(
+                f"refusing to bind {self.host!r} without API keys: set CHATSVC_API_KEYS "
+                "(tenant:key,...) or bind a loopback address such as 127.0.0.1"
+            )
+        return self
+
+    def with_overrides(self, **changes: Any) -> Settings:
+        """A validated copy with some fields replaced (the CLI's --host/--port)."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return replace(self, **changes).validate()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read and validate ``CHATSVC_*`` variables; unknown values raise SettingsError."""
+        env = os.environ if environ is None else environ
+
+        def get(name: str) -> str | None:
+            value = env.get(ENV_PREFIX + name)
+            return value.strip() if value is not None and value.strip() else None
+
+        limits = Limits(
+            **{
+                name: _parse_int(ENV_PREFIX + name.upper(), get(name.upper()), default)
+                for name, default in vars(Limits()).items()
+            }
+        )
+        ttl = get("SESSION_TTL_S")
+        return cls(
+            host=get("HOST") or "127.0.0.1",
+            port=_parse_int(ENV_PREFIX + "PORT", get("PORT"), 8000),
+            redis_url=get("REDIS_URL"),
+            data_dir=Path(get("DATA_DIR")).expanduser() if get("DATA_DIR") else None,
+            key_prefix=get("KEY_PREFIX") or "chatsvc",
+            session_ttl_s=None if ttl is None else _parse_int(ENV_PREFIX + "SESSION_TTL_S", ttl, 0),
+            admin_key=get("ADMIN_KEY"),
+            api_keys=parse_api_keys(get("API_KEYS") or ""),
+            limits=limits,
+        ).validate()
+
+
+def parse_api_keys(spec: str) -> tuple[tuple[str, str], ...]:
+    """Parse ``tenant:key,tenant2:key2``; a key may itself contain ':'."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        tenant, sep, key = item.partition(":")
+        if not sep or not tenant.strip() or not key.strip():
+            raise SettingsError(f"CHATSVC_API_KEYS entry {item!r} is not tenant:key")
+        if len(key.strip()) < 8:
+            raise SettingsError(f"API key of tenant {tenant.strip()!r} is under 8 characters")
+        pairs.append((tenant.strip(), key.strip()))
+    return tuple(pairs)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse_int(name: str, raw: str | None, default: int) -> int:
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
