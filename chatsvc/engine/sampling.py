@@ -24,7 +24,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[V]`` (fp32) after temperature, top-k and top-p; zero outside the kept set."""
+    """Probabilities ``[V]`` (fp32) after temperature, top-k, top-p; zero outside the kept set."""
     if params.temperature <= 0.0:
         raise ValueError("filtered_probs needs temperature > 0; greedy rows use argmax")
     scaled = logits.float() / params.temperature
