@@ -1,0 +1,366 @@
+"""KVCacheManager: the facade the scheduler talks to (contract: docs/contracts.md).
+
+Lifecycle of a sequence::
+
+    allocate(seq, prompt)     map the longest cached prefix, fresh blocks for the rest
+    mark_computed(seq, n)     KV of tokens [0, n) is written: full blocks join the index
+    append_slots(seq, toks)   room for new tokens (copy-on-write into shared blocks)
+    fork(seq, child)          child shares every block
+    free(seq)                 indexed blocks stay cached, the rest return to the pool
+
+Every public method validates its input before changing anything, so an
+exception leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+from .block_table import BlockTable
+from .errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError
+from .hashing import BlockHasher
+from .integrity import check_integrity
+from .namespace import Namespace
+from .plan import EMPTY_PLAN, AllocResult, AppendResult, PlanBuilder
+from .prefix_index import DEVICE, HOST
+from .sequence import Sequence
+from .stats import CacheStats
+from .tiers import TieredBlocks
+
+_MAX_TOKEN_ID = 2**32
+
+
+def _checked_tokens(token_ids) -> list[int]:
+    tokens = list(token_ids)
+    for token in tokens:
+        if type(token) is not int or not 0 <= token < _MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be ints in [0, 2**32), got {token!r}")
+    return tokens
+
+
+class KVCacheManager:
+    """Paged KV-cache bookkeeping: block tables, prefix index, device and host tiers."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        num_host_blocks: int = 0,
+        enable_prefix_cache: bool = True,
+        debug_checks: bool = False,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+        if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be a non-negative int, got {num_host_blocks!r}")
+        self.block_size = block_size
+        self.enable_prefix_cache = bool(enable_prefix_cache)
+        self.debug_checks = bool(debug_checks)
+        self.stats = CacheStats()
+        self.tiers = TieredBlocks(num_blocks, num_host_blocks, self.stats)
+        self._hasher = BlockHasher(block_size)
+        self._seqs: dict[object, Sequence] = {}
+
+    # -- queries ------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tiers.device.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.tiers.device.num_free
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` device blocks can be had (free + evictable)."""
+        return num_blocks <= self.tiers.num_available
+
+    def num_blocks_needed(self, token_ids, namespace: Namespace) -> int:
+        """Device blocks ``allocate`` would take from the free + evictable pool.
+
+        That is the blocks after the cached prefix, plus one per matched block
+        that must be swapped in from the host, plus one per matched cached block
+        (it stops being evictable), so ``can_allocate(num_blocks_needed(...))``
+        is exactly whether ``allocate`` succeeds. Changes nothing.
+        """
+        tokens = _checked_tokens(token_ids)
+        self._check_prompt(tokens, namespace)
+        return self._blocks_needed(tokens, self._match(tokens, namespace))
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._seq(seq_id).table.block_ids)
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self._seq(seq_id).token_ids)
+
+    def num_computed_tokens(self, seq_id) -> int:
+        return self._seq(seq_id).num_computed
+
+    def token_ids(self, seq_id) -> list[int]:
+        return list(self._seq(seq_id).token_ids)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    # -- prompt admission ---------------------------------------------------------
+
+    def allocate(self, seq_id, token_ids, namespace: Namespace) -> AllocResult:
+        """Map the longest cached prefix of the prompt and allocate the rest.
+
+        The block holding the last prompt token is never matched: its KV must be
+        computed to get the logits. Raises OutOfBlocksError (state unchanged)
+        when free + evictable device blocks do not suffice.
+        """
+        if seq_id in self._seqs:
+            raise DuplicateSequenceError(seq_id)
+        tokens = _checked_tokens(token_ids)
+        self._check_prompt(tokens, namespace)
+        matched = self._match(tokens, namespace)
+        needed = self._blocks_needed(tokens, matched)
+        if needed > self.tiers.num_available:
+            raise OutOfBlocksError(needed, self.tiers.num_available, f"prompt of {seq_id!r}")
+
+        tiers = self.tiers
+        tick = tiers.index.advance()
+        self._record_lookup(tokens, namespace, matched)
+        plan = PlanBuilder()
+        table = BlockTable()
+        host_nodes = [node for node in matched if node.location == HOST]
+        for node in host_nodes:
+            node.pins += 1  # keeps them from being dropped by evictions below
+        released_host: list[int] = []
+        for node in matched:
+            node.last_access = tick
+            if node.location == DEVICE:
+                tiers.ref_node(node)
+                table.append(node.block_id)
+            else:
+                table.append(tiers.swap_in(node, plan, released_host))
+                node.pins -= 1
+        num_total = -(-len(tokens) // self.block_size)
+        for _ in range(num_total - len(matched)):
+            table.append(tiers.take_block(plan))
+        tiers.release_host_blocks(released_host)
+
+        num_cached = len(matched) * self.block_size
+        last_node = matched[-1] if matched else tiers.index.root
+        self._seqs[seq_id] = Sequence(
+            seq_id, tokens, table, namespace, num_cached, len(matched), last_node
+        )
+        self._after_mutation()
+        return AllocResult(num_cached, plan.build())
+
+    def _check_prompt(self, tokens: list[int], namespace: Namespace) -> None:
+        if not tokens:
+            raise ValueError("a prompt needs at least one token")
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a cache.Namespace, got {type(namespace).__name__}")
+
+    def _match(self, tokens: list[int], namespace: Namespace) -> list:
+        """Verified index nodes of the longest cached prefix within ``tokens[:-1]``."""
+        if not self.enable_prefix_cache:
+            return []
+        index = self.tiers.index
+        hash_block = self._hasher.hash_block
+        bs = self.block_size
+        node = index.root
+        matched = []
+        for i in range((len(tokens) - 1) // bs):
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            ns_key = namespace.key(i, bs)
+            child = index.lookup(
+                node, hash_block(node.hash, block_tokens, ns_key), block_tokens, ns_key
+            )
+            if child is None:
+                break
+            matched.append(child)
+            node = child
+        return matched
+
+    def _blocks_needed(self, tokens: list[int], matched: list) -> int:
+        refcounts = self.tiers.device.refcounts
+        num_total = -(-len(tokens) // self.block_size)
+        needed = num_total - len(matched)
+        for node in matched:
+            if node.location == HOST:
+                needed += 1
+            elif refcounts[node.block_id] == 0 and node.pins == 0:
+                needed += 1
+        return needed
+
+    def _record_lookup(self, tokens: list[int], namespace: Namespace, matched: list) -> None:
+        stats = self.stats
+        bs = self.block_size
+        stats.record_query(namespace.label, len(tokens))
+        for i, node in enumerate(matched):
+            stats.record_hit(namespace.stats_label(i, bs), bs, node.num_hits)
+            node.num_hits += 1
+
+    # -- decoding -----------------------------------------------------------------
+
+    def append_slots(self, seq_id, token_ids) -> AppendResult:
+        """Make room for new tokens and return the KV slot of each.
+
+        Writing into a partially filled block that another table shares first
+        copies it to a fresh block (``plan.copies``) and points this table there.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(seq_id)
+        if not token_ids:
+            raise ValueError("append_slots needs at least one token")
+        for token in token_ids:
+            if type(token) is not int or not 0 <= token < _MAX_TOKEN_ID:
+                raise ValueError(f"token ids must be ints in [0, 2**32), got {token!r}")
+        tiers = self.tiers
+        bs = self.block_size
+        blocks = seq.table.block_ids
+        pos = len(seq.token_ids)
+        offset = pos & (bs - 1)
+        num_new = len(token_ids)
+        cow = offset != 0 and tiers.device.refcounts[blocks[-1]] > 1
+        needed = (pos + num_new + bs - 1) // bs - len(blocks) + cow
+        plan = EMPTY_PLAN
+        if needed:
+            if needed > tiers.device.num_free + tiers.num_evictable:
+                raise OutOfBlocksError(needed, tiers.num_available, f"append to {seq_id!r}")
+            builder = PlanBuilder()
+            if cow:
+                shared = blocks[-1]
+                fresh = tiers.take_block(builder)
+                builder.copies.append((shared, fresh))
+                blocks[-1] = fresh
+                tiers.unref_block(shared)
+                self.stats.cow_copies += 1
+            for _ in range(needed - cow):
+                blocks.append(tiers.take_block(builder))
+            plan = builder.build()
+        seq.token_ids.extend(token_ids)
+        if num_new == 1:
+            slots = [blocks[pos // bs] * bs + offset]
+        else:
+            slots = [blocks[p // bs] * bs + (p & (bs - 1)) for p in range(pos, pos + num_new)]
+        if self.debug_checks:
+            self.check_integrity()
+        return AppendResult(slots, plan)
+
+    def mark_computed(self, seq_id, num_tokens: int) -> None:
+        """Record that the KV of tokens [0, num_tokens) is written.
+
+        Newly full blocks enter the prefix index. If an identical block is
+        already indexed (another sequence computed the same prefix), the
+        indexed one is kept and this sequence's copy stays private.
+        """
+        seq = self._seq(seq_id)
+        if type(num_tokens) is not int or not seq.num_computed <= num_tokens <= len(seq.token_ids):
+            raise ValueError(
+                f"num_tokens must be an int in [{seq.num_computed}, {len(seq.token_ids)}] "
+                f"for {seq_id!r}, got {num_tokens!r}"
+            )
+        seq.num_computed = num_tokens
+        if self.enable_prefix_cache and not seq.index_stopped:
+            num_full = num_tokens // self.block_size
+            if num_full > seq.num_indexed:
+                self.tiers.index.advance()
+                self._index_blocks(seq, num_full)
+        self._after_mutation()
+
+    def _index_blocks(self, seq: Sequence, num_full: int) -> None:
+        tiers = self.tiers
+        index = tiers.index
+        bs = self.block_size
+        tokens = seq.token_ids
+        blocks = seq.table.block_ids
+        parent = seq.last_node
+        for i in range(seq.num_indexed, num_full):
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            ns_key = seq.namespace.key(i, bs)
+            hash_ = self._hasher.hash_block(parent.hash, block_tokens, ns_key)
+            own = blocks[i]
+            node = index.lookup(parent, hash_, block_tokens, ns_key)
+            if node is None:
+                if index.is_occupied(hash_):
+                    seq.index_stopped = True  # collision: the rest stays private
+                    return
+                node = tiers.index_new(parent, hash_, block_tokens, ns_key, own)
+            elif node.location == HOST:
+                tiers.rehome(node, own)
+            elif node.block_id != own:
+                tiers.pin(node)
+                seq.pinned.append(node)
+            node.last_access = index.tick
+            parent = node
+            seq.num_indexed = i + 1
+            seq.last_node = node
+
+    # -- forking and freeing ------------------------------------------------------
+
+    def fork(self, parent_seq_id, child_seq_id) -> None:
+        """The child shares every block of the parent (copy-on-write on first write)."""
+        parent = self._seq(parent_seq_id)
+        if child_seq_id in self._seqs:
+            raise DuplicateSequenceError(child_seq_id)
+        child = parent.fork(child_seq_id)
+        device = self.tiers.device
+        for block in child.table.block_ids:
+            device.incref(block)
+        for node in child.pinned:
+            self.tiers.pin(node)
+        self._seqs[child_seq_id] = child
+        self._after_mutation()
+
+    def free(self, seq_id) -> None:
+        """Drop the sequence: indexed blocks become cached, the rest are freed."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError(seq_id)
+        tiers = self.tiers
+        tiers.index.advance()
+        for block in seq.table.block_ids:
+            tiers.unref_block(block)
+        for node in seq.pinned:
+            tiers.unpin(node)
+        self._after_mutation()
+
+    # -- statistics and checks ----------------------------------------------------
+
+    def stats_snapshot(self) -> dict:
+        """Counters plus tier usage, as a JSON-able dict."""
+        tiers = self.tiers
+        device = tiers.device
+        num_referenced = sum(1 for count in device.refcounts if count)
+        num_host_used = tiers.host.num_blocks - tiers.host.num_free
+        snapshot = self.stats.snapshot()
+        snapshot["device"] = {
+            "total": device.num_blocks,
+            "free": device.num_free,
+            "used": num_referenced,
+            "cached": device.num_blocks - device.num_free - num_referenced,
+            "evictable": tiers.num_evictable,
+        }
+        snapshot["host"] = {
+            "total": tiers.host.num_blocks,
+            "free": tiers.host.num_free,
+            "used": num_host_used,
+        }
+        snapshot["indexed_blocks"] = len(tiers.index)
+        snapshot["num_sequences"] = len(self._seqs)
+        return snapshot
+
+    def check_integrity(self) -> None:
+        """Raise CacheIntegrityError if any bookkeeping invariant is broken."""
+        check_integrity(self.tiers, self._seqs.values(), self.block_size)
+
+    def _seq(self, seq_id) -> Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(seq_id)
+        return seq
+
+    def _after_mutation(self) -> None:
+        if self.debug_checks:
+            self.check_integrity()

@@ -1,0 +1,76 @@
+"""Per-sequence bookkeeping held by the manager.
+
+    token_ids   [ computed ...........| appended, KV not yet written ]
+                0              num_computed                   num_tokens
+    blocks      [ indexed ..| full, not yet indexed | partial ]
+                0      num_indexed
+
+Only blocks below ``num_computed // block_size`` may enter the prefix index:
+chunked prefill writes a prompt's KV over several steps, and a block whose KV
+is not written yet must never be matched by another request.
+"""
+
+from __future__ import annotations
+
+from .block_table import BlockTable
+from .namespace import Namespace
+from .prefix_index import PrefixNode
+
+
+class Sequence:
+    """One running sequence: its tokens, block table and place in the prefix index.
+
+    last_node: the index node of block ``num_indexed - 1`` (the root when 0);
+        the next full block is indexed as its child.
+    pinned: index nodes this sequence chains through while holding its own
+        identical copy of the block (see PrefixNode.pins).
+    index_stopped: a hash collision ended indexing for this sequence; its
+        later blocks stay private.
+    """
+
+    __slots__ = (
+        "seq_id",
+        "token_ids",
+        "table",
+        "namespace",
+        "num_computed",
+        "num_indexed",
+        "last_node",
+        "pinned",
+        "index_stopped",
+    )
+
+    def __init__(
+        self,
+        seq_id,
+        token_ids: list[int],
+        table: BlockTable,
+        namespace: Namespace,
+        num_computed: int,
+        num_indexed: int,
+        last_node: PrefixNode,
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids = token_ids
+        self.table = table
+        self.namespace = namespace
+        self.num_computed = num_computed
+        self.num_indexed = num_indexed
+        self.last_node = last_node
+        self.pinned: list[PrefixNode] = []
+        self.index_stopped = False
+
+    def fork(self, child_id) -> Sequence:
+        """A copy sharing nothing mutable; the caller adds the block references."""
+        child = Sequence(
+            child_id,
+            list(self.token_ids),
+            self.table.copy(),
+            self.namespace,
+            self.num_computed,
+            self.num_indexed,
+            self.last_node,
+        )
+        child.pinned = list(self.pinned)
+        child.index_stopped = self.index_stopped
+        return child
