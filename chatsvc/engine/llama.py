@@ -1,0 +1,129 @@
+"""Our own Llama-family forward pass over a flat batch of tokens from many sequences.
+
+Per layer (T new tokens, shapes in comments):
+
+    x   = rms_norm(h)                          [T, hidden]
+    qkv = x @ Wqkv^T (+ b)                     [T, q_size + 2 * kv_size]   one matmul
+    rope(q, k) in place ; write_kv(k, v) into the paged cache
+    o   = paged attention(q, cache)            [T, H_q, D]
+    h   = h + o @ Wo^T                         addmm: residual add fused
+    h   = h + swiglu(rms_norm(h) @ Wgu^T) @ Wd^T
+
+K and V are read and written only through ``kernels`` and the layer views of the
+pool defined in ``kernels.kv_layout``. Logits are computed only for each sequence's
+last new token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from chatsvc.engine.forward_batch import ForwardBatch
+from chatsvc.engine.layers import RotaryTables, apply_rope_, swiglu
+from chatsvc.engine.model_config import ModelConfig
+from chatsvc.engine.weights import ModelWeights
+from kernels.kv_layout import KVShape, layer_views
+
+
+class LlamaModel:
+    """Llama / Mistral / Qwen2 decoder with fused projections, serving from a paged KV pool.
+
+    Not an ``nn.Module``: weights are plain tensors so the per-layer loop pays no module
+    attribute lookups, and there is nothing to train.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        max_positions: int | None = None,
+    ) -> None:
+        if len(weights.layers) != config.num_layers:
+            raise ValueError(
+                f"config has {config.num_layers} layers, weights have {len(weights.layers)}"
+            )
+        self.config = config
+        self.weights = weights
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+        self.max_positions = max_positions or config.max_context_len
+        self.rope = RotaryTables(config, self.max_positions, self.dtype, self.device)
+        self.scale = config.head_dim**-0.5
+
+    def kv_shape(self, block_size: int) -> KVShape:
+        """The KV pool shape this model needs for a given block size."""
+        c = self.config
+        return KVShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim)
+
+    def _check(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> None:
+        c = self.config
+        expected = (c.num_layers, 2)
+        if kv_pool.dim() != 6 or tuple(kv_pool.shape[1:3]) != expected:
+            raise ValueError(f"kv_pool must be [N, {c.num_layers}, 2, bs, H_kv, D]")
+        if tuple(kv_pool.shape[4:]) != (c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                f"kv_pool heads/dim {tuple(kv_pool.shape[4:])} != ({c.num_kv_heads}, {c.head_dim})"
+            )
+        if kv_pool.dtype != self.dtype or kv_pool.device != self.device:
+            raise ValueError(
+                f"kv_pool is {kv_pool.dtype} on {kv_pool.device}; "
+                f"the model is {self.dtype} on {self.device}"
+            )
+        if batch.max_context_len > self.max_positions:
+            raise ValueError(
+                f"a sequence reaches {batch.max_context_len} tokens; "
+                f"the model serves at most {self.max_positions}"
+            )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        """Run one step; returns fp32 logits ``[B, vocab]`` of each sequence's last new token.
+
+        Writes this step's K/V into ``kv_pool`` at ``batch.slot_mapping``; nothing else
+        changes. Raises ValueError when the pool does not fit the model.
+        """
+        self._check(batch, kv_pool)
+        c, w = self.config, self.weights
+        num_tokens = batch.num_tokens
+        q_size, kv_size, hidden = c.q_size, c.kv_size, (c.hidden_size,)
+        heads_qk = c.num_heads + c.num_kv_heads
+        eps = c.rms_norm_eps
+
+        cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
+        h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
+        for layer_id, layer in enumerate(w.layers):
+            x = F.rms_norm(h, hidden, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, q + 2kv]
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads_qk, c.head_dim)
+            apply_rope_(qk, cos, sin)
+            q = qk[:, : c.num_heads]  # [T, H_q, D]
+            k = qk[:, c.num_heads :]  # [T, H_kv, D]
+            v = qkv[:, q_size + kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
+            k_cache, v_cache = layer_views(kv_pool, layer_id)
+            kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            if batch.is_decode:
+                o = kernels.paged_decode_attention(
+                    q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale
+                )
+            else:
+                o = kernels.paged_extend_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    batch.block_tables,
+                    batch.query_start_loc,
+                    batch.context_lens,
+                    self.scale,
+                )
+            h = torch.addmm(h, o.reshape(num_tokens, q_size), layer.o_weight.t())
+            x = F.rms_norm(h, hidden, layer.post_norm, eps)
+            act = swiglu(F.linear(x, layer.gate_up_weight))  # [T, I]
+            h = torch.addmm(h, act, layer.down_weight.t())
+
+        last = h.index_select(0, batch.logits_indices)  # [B, hidden]
+        last = F.rms_norm(last, hidden, w.final_norm, eps)
+        return F.linear(last, w.lm_head).float()  # [B, vocab]
+
+    __call__ = forward
