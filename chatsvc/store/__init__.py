@@ -1,0 +1,23 @@
+"""Session store: tenants, system prompts, sessions and turns in Redis.
+
+See docs/store.md for the key layout, the guarantees and the trade-offs.
+"""
+
+from chatsvc.store.errors import (
+    NotFoundError,
+    SchemaVersionError,
+    SessionBusyError,
+    StoreError,
+    StoreUnavailableError,
+)
+from chatsvc.store.store import Store, hash_api_key
+
+__all__ = [
+    "NotFoundError",
+    "SchemaVersionError",
+    "SessionBusyError",
+    "Store",
+    "StoreError",
+    "StoreUnavailableError",
+    "hash_api_key",
+]

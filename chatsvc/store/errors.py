@@ -1,0 +1,30 @@
+"""Exceptions raised by the session store.
+
+Every store method that fails leaves Redis unchanged; the exception says why.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises on purpose."""
+
+
+class StoreUnavailableError(StoreError):
+    """Redis could not be reached or did not answer within the socket timeout."""
+
+
+class SessionBusyError(StoreError):
+    """Another turn holds the session's turn lock (the API answers 409)."""
+
+
+class NotFoundError(StoreError, LookupError):
+    """A tenant, system prompt or session is unknown to the caller.
+
+    Another tenant's id raises this too, with the same message shape, so the
+    error never reveals that the id exists elsewhere.
+    """
+
+
+class SchemaVersionError(StoreError):
+    """The keyspace was written by a newer chatsvc than this one."""

@@ -1,0 +1,99 @@
+"""Records kept in Redis: msgspec Structs, encoded as msgpack.
+
+Structs encode as maps (not arrays), so adding a field with a default keeps
+old records decodable; changes that need data rewritten go into a numbered
+migration under ``migrations/``, and ``SCHEMA_VERSION`` names the newest one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TypeVar
+
+import msgspec
+
+# The keyspace layout these records and ``chatsvc.store.keys`` describe. It equals
+# the number of the newest migration; the runner stores it under the version key.
+SCHEMA_VERSION = 2
+
+
+def now() -> float:
+    """Wall-clock seconds since the epoch; records compare times across replicas."""
+    return time.time()
+
+
+class TenantRecord(msgspec.Struct, kw_only=True):
+    """A tenant. ``cache_salt`` is secret: it keys the tenant's private KV namespace."""
+
+    id: str
+    name: str
+    api_key_hash: str  # hex sha256 of the API key; the key itself is never stored
+    cache_salt: bytes
+    created_at: float
+
+
+class SystemPromptRecord(msgspec.Struct, kw_only=True):
+    """A system prompt owned by ``tenant_id``; ``shared`` ones are usable by every tenant."""
+
+    id: str
+    tenant_id: str
+    name: str
+    text: str
+    token_ids: list[int]
+    shared: bool
+    created_at: float
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    """What producing an assistant message cost, as the engine reported it."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float | None = None
+
+
+class MessageRecord(msgspec.Struct, kw_only=True):
+    """One message of a session, with the exact token ids the model saw or produced."""
+
+    role: str  # "system" | "user" | "assistant"
+    text: str
+    token_ids: list[int]
+    created_at: float = msgspec.field(default_factory=now)
+    usage: Usage | None = None
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    """A conversation. ``token_ids`` is the whole conversation as last sent to or
+    produced by the model, so the next prompt is these tokens plus the new turn's."""
+
+    id: str
+    tenant_id: str
+    system_prompt_id: str | None
+    metadata: dict[str, str]
+    created_at: float
+    updated_at: float
+    num_messages: int = 0
+    token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+ROLES = frozenset({"system", "user", "assistant"})
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {
+    cls: msgspec.msgpack.Decoder(cls)
+    for cls in (TenantRecord, SystemPromptRecord, MessageRecord, SessionRecord)
+}
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    """Encode a record as msgpack."""
+    return _encoder.encode(record)
+
+
+T = TypeVar("T")
+
+
+def decode(cls: type[T], data: bytes) -> T:
+    """Decode msgpack ``data`` as ``cls``; raises ``msgspec.ValidationError`` on a bad shape."""
+    return _decoders[cls].decode(data)
