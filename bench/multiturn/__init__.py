@@ -1,0 +1,1 @@
+"""Multi-turn chat benchmark: one workload, one client, several OpenAI-compatible servers."""

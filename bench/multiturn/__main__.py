@@ -1,0 +1,139 @@
+"""``python -m bench.multiturn``: run the multi-turn benchmark and write its figures.
+
+Defaults (16 conversations x 6 turns, concurrency 8) are the issue's target config;
+``--smoke`` runs a tiny one that only checks the harness end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.multiturn.report import markdown_table, plot
+from bench.multiturn.runner import (
+    RunOptions,
+    machine_description,
+    resolve_model_dir,
+    run_system,
+    write_result,
+)
+from bench.multiturn.servers import SYSTEMS
+from bench.multiturn.workload import Distribution, WorkloadConfig, generate_workload, load_replay
+
+SMOKE = WorkloadConfig(
+    num_conversations=2,
+    num_turns=2,
+    num_system_prompts=1,
+    system_prompt_tokens=Distribution.parse("40"),
+    user_tokens=Distribution.parse("8"),
+    answer_tokens=Distribution.parse("4"),
+    think_time_s=Distribution.parse("0"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__)
+    p.add_argument("--systems", default="ours,ours-nocache,hf,hf-cb", help=", ".join(SYSTEMS))
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--system-prompts", type=int, default=4, help="distinct shared system prompts")
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument(
+        "--system-tokens", default="200", help="const:V | uniform:LO:HI | lognormal:MEDIAN:SIGMA"
+    )
+    p.add_argument("--user-tokens", default="uniform:24:72")
+    p.add_argument("--answer-tokens", default="uniform:24:64")
+    p.add_argument("--think-time", default="uniform:0:1", help="seconds before each later turn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replay", help="JSONL of conversations (a list of user turns per line)")
+    p.add_argument(
+        "--model-dir", help="safetensors model directory (default: our converted default model)"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="granularity of the ideal hit rate")
+    p.add_argument(
+        "--max-context-len",
+        type=int,
+        default=None,
+        help="static allocation per request (default: longest request of the trace)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the servers")
+    p.add_argument("--out", default="bench/results", help="directory for JSON, PNG and markdown")
+    p.add_argument("--smoke", action="store_true", help="tiny config: 2 conversations x 2 turns")
+    return p
+
+
+def workload_from_args(args: argparse.Namespace):
+    if args.smoke:
+        config = replace(SMOKE, seed=args.seed)
+    else:
+        config = WorkloadConfig(
+            num_conversations=args.conversations,
+            num_turns=args.turns,
+            num_system_prompts=args.system_prompts,
+            num_tenants=args.tenants,
+            system_prompt_tokens=Distribution.parse(args.system_tokens),
+            user_tokens=Distribution.parse(args.user_tokens),
+            answer_tokens=Distribution.parse(args.answer_tokens),
+            think_time_s=Distribution.parse(args.think_time),
+            seed=args.seed,
+        )
+    return load_replay(args.replay, config) if args.replay else generate_workload(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    workload = workload_from_args(args)
+    concurrency = min(args.concurrency, 2) if args.smoke else args.concurrency
+    options = RunOptions(
+        concurrency=concurrency,
+        block_size=args.block_size,
+        max_context_len=args.max_context_len,
+        threads=args.threads,
+    )
+    model_dir = resolve_model_dir(args.model_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    out_dir = Path(args.out)
+    stem = time.strftime("multiturn-%Y%m%d-%H%M%S")
+    command = "python -m bench.multiturn " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result = {
+        "meta": {
+            "command": command,
+            "machine": machine_description(),
+            "workload": workload.description,
+            "num_requests": workload.num_requests,
+            "concurrency": concurrency,
+            "model_dir": str(model_dir),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "workload": workload.to_json(),
+        "systems": {},
+    }
+    for system in systems:
+        print(f"[bench] {system}: starting", flush=True)
+        entry = run_system(system, workload, model_dir, out_dir / stem, options, tokenizer)
+        result["systems"][system] = entry
+        errors = sum(1 for r in entry["records"] if r["error"])
+        print(f"[bench] {system}: {entry['wall_s']:.1f}s, {errors} errors", flush=True)
+        write_result(result, out_dir, stem)
+    path = write_result(result, out_dir, stem)
+    table = markdown_table(result)
+    (out_dir / f"{stem}.md").write_text(f"`{command}`\n\n{result['meta']['machine']}\n\n{table}")
+    png = plot(result, out_dir / f"{stem}.png")
+    print(table)
+    print(f"[bench] wrote {path}, {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""KV memory over a run: what was allocated, what held real tokens, what a static
+allocator would have needed.
+
+Two sources:
+- the client's own view, for every system: at time t each in-flight request holds its
+  prompt plus the tokens generated so far (spread evenly between its first token and its
+  end). A static allocator reserves, per in-flight request, the model's maximum length.
+- ours only: ``GET /admin/cache`` sampled during the run, giving the token slots held by
+  live sequences (allocated blocks x block size) and the tokens written into them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from bench.multiturn.client import RequestRecord
+
+
+@dataclass
+class AdminSampler:
+    """Polls an admin endpoint every ``interval_s`` while a run is going on."""
+
+    base_url: str
+    path: str
+    interval_s: float = 0.25
+    samples: list[dict] = field(default_factory=list)
+    errors: int = 0
+
+    async def run(self, t0: float, stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=5.0) as http:
+            while not stop.is_set():
+                try:
+                    response = await http.get(self.path)
+                    response.raise_for_status()
+                    self.samples.append({"t": time.perf_counter() - t0, "body": response.json()})
+                except (httpx.HTTPError, ValueError):
+                    self.errors += 1
+                try:
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+                except TimeoutError:
+                    pass
+
+
+def _find(tree: object, names: Sequence[str]) -> float | None:
+    """First numeric value under any of ``names``, searching nested dicts breadth-first."""
+    queue = [tree]
+    while queue:
+        node = queue.pop(0)
+        if isinstance(node, dict):
+            for name in names:
+                value = node.get(name)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    return float(value)
+            queue.extend(v for v in node.values() if isinstance(v, dict))
+    return None
+
+
+# Field names ours reports in /admin/cache (see chatsvc/api admin controller).
+ALLOCATED_SLOT_KEYS = ("allocated_token_slots", "allocated_slots")
+USED_SLOT_KEYS = ("used_token_slots", "used_slots", "live_tokens")
+ALLOCATED_BLOCK_KEYS = ("allocated_blocks", "num_allocated_blocks")
+BLOCK_SIZE_KEYS = ("block_size",)
+
+
+def slots_from_admin(body: dict) -> tuple[float, float] | None:
+    """(allocated token slots, used token slots) from one /admin/cache answer, or None when
+    it does not report them."""
+    used = _find(body, USED_SLOT_KEYS)
+    allocated = _find(body, ALLOCATED_SLOT_KEYS)
+    if allocated is None:
+        blocks, block_size = _find(body, ALLOCATED_BLOCK_KEYS), _find(body, BLOCK_SIZE_KEYS)
+        if blocks is not None and block_size is not None:
+            allocated = blocks * block_size
+    if used is None or allocated is None:
+        return None
+    return allocated, used
+
+
+@dataclass(frozen=True)
+class MemorySummary:
+    samples: int
+    mean_allocated_slots: float
+    mean_used_slots: float
+    waste_pct: float
+
+
+def summarize_admin(samples: Sequence[dict]) -> MemorySummary | None:
+    """Waste = 1 - sum(used) / sum(allocated) over the samples where anything was allocated
+    (an idle server wastes nothing)."""
+    pairs = [p for p in (slots_from_admin(s["body"]) for s in samples) if p and p[0] > 0]
+    if not pairs:
+        return None
+    allocated = sum(a for a, _ in pairs)
+    used = sum(u for _, u in pairs)
+    return MemorySummary(
+        len(pairs), allocated / len(pairs), used / len(pairs), 100.0 * (1 - used / allocated)
+    )
+
+
+def _tokens_held(record: RequestRecord, t: float) -> float:
+    """Tokens a request holds at time t (0 outside its lifetime)."""
+    if record.latency_s is None or record.prompt_tokens is None:
+        return 0.0
+    end = record.sent_at + record.latency_s
+    if not record.sent_at <= t < end:
+        return 0.0
+    first = record.sent_at + (record.ttft_s if record.ttft_s is not None else record.latency_s)
+    generated = record.completion_tokens or 0
+    if t < first or end <= first:
+        return float(record.prompt_tokens)
+    return record.prompt_tokens + generated * (t - first) / (end - first)
+
+
+def static_allocation(
+    records: Sequence[RequestRecord], max_len: int, num_points: int = 200
+) -> MemorySummary | None:
+    """Client-side view: the tokens in-flight requests held, against ``max_len`` slots
+    reserved per in-flight request, sampled at ``num_points`` even times over the run."""
+    done = [r for r in records if r.ok and r.latency_s is not None]
+    if not done or max_len < 1:
+        return None
+    start = min(r.sent_at for r in done)
+    end = max(r.sent_at + r.latency_s for r in done)
+    used_sum = reserved_sum = 0.0
+    counted = 0
+    for i in range(num_points):
+        t = start + (end - start) * (i + 0.5) / num_points
+        held = [_tokens_held(r, t) for r in done]
+        in_flight = sum(1 for h in held if h > 0)
+        if in_flight:
+            used_sum += sum(held)
+            reserved_sum += in_flight * max_len
+            counted += 1
+    if not counted:
+        return None
+    return MemorySummary(
+        counted, reserved_sum / counted, used_sum / counted, 100.0 * (1 - used_sum / reserved_sum)
+    )
