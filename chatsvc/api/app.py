@@ -1,14 +1,64 @@
-"""The Litestar application."""
+"""The Litestar application: controllers, dependencies, error mapping, lifespan."""
 
 from __future__ import annotations
 
-from litestar import Litestar, get
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+
+import chatsvc
+from chatsvc.api.admin import AdminController
+from chatsvc.api.auth import provide_tenant
+from chatsvc.api.errors import EXCEPTION_HANDLERS
+from chatsvc.api.health import healthz, readyz
+from chatsvc.api.messages import MessageController
+from chatsvc.api.openai_compat import OpenAIController
+from chatsvc.api.sessions import SessionController
+from chatsvc.api.system_prompts import SystemPromptController
+from chatsvc.config import Settings
+from chatsvc.service import Services, running_services
 
 
-@get("/healthz", sync_to_thread=False)
-def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+def _provide_services(state: State) -> Services:
+    return state.services
 
 
-def create_app() -> Litestar:
-    return Litestar(route_handlers=[healthz])
+def create_app(settings: Settings | None = None) -> Litestar:
+    """The app for ``settings`` (default: from the environment). Nothing starts until
+    the ASGI lifespan does: then Redis, the store and the engine come up."""
+    settings = Settings.from_env() if settings is None else settings.validate()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        async with running_services(settings) as services:
+            app.state.services = services
+            yield
+
+    return Litestar(
+        route_handlers=[
+            healthz,
+            readyz,
+            SessionController,
+            MessageController,
+            SystemPromptController,
+            OpenAIController,
+            AdminController,
+        ],
+        dependencies={
+            "services": Provide(_provide_services, sync_to_thread=False),
+            "tenant": Provide(provide_tenant),
+        },
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        request_max_body_size=settings.limits.max_body_bytes,
+        openapi_config=OpenAPIConfig(
+            title="chatsvc",
+            version=chatsvc.__version__,
+            description="Multi-turn chat with a prefix-caching KV cache; "
+            "an OpenAI-compatible API under /v1.",
+        ),
+    )

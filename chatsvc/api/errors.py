@@ -13,6 +13,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.types import ExceptionHandlersMap
 
 from chatsvc.store import SessionBusyError, StoreUnavailableError
+from chatsvc.store.errors import NotFoundError as StoreNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,12 @@ def _session_busy(_: Request, exc: SessionBusyError) -> Response:
     return _json(409, "session_busy", "another message of this session is still being generated")
 
 
+def _store_not_found(_: Request, exc: StoreNotFoundError) -> Response:
+    # The store's message names the id; the answer stays the same for every
+    # unknown or foreign id so that ids leak nothing.
+    return _json(404, "not_found_error", "not found")
+
+
 def _store_unavailable(_: Request, exc: StoreUnavailableError) -> Response:
     return _json(503, "store_unavailable", f"session store unavailable: {exc}")
 
@@ -124,6 +131,7 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     ApiError: _api_error,
     SessionBusyError: _session_busy,
     StoreUnavailableError: _store_unavailable,
+    StoreNotFoundError: _store_not_found,
     ValidationException: _validation,
     HTTPException: _http,
     Exception: _unexpected,

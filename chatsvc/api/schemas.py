@@ -47,7 +47,6 @@ class CreateSession(Request):
 class SessionView(msgspec.Struct, kw_only=True):
     id: str
     system_prompt_id: str | None
-    system_prompt: str | None
     metadata: dict[str, str]
     num_messages: int
     num_tokens: int
@@ -71,13 +70,13 @@ class SamplingOptions(Request):
     stop: list[str] = msgspec.field(default_factory=list)
 
 
-class PostMessage(SamplingOptions):
+class PostMessage(SamplingOptions, kw_only=True):
     content: str
     stream: bool = False
 
 
 class MessageView(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    role: Literal["system", "user", "assistant"]
     content: str
     created_at: float
 

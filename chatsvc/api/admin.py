@@ -1,0 +1,28 @@
+"""Admin endpoints (admin key): cache statistics and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Response, get
+
+from chatsvc.api.auth import admin_guard
+from chatsvc.metrics import CONTENT_TYPE
+from chatsvc.service import Services
+
+
+class AdminController(Controller):
+    path = "/"
+    guards = [admin_guard]
+    tags = ["admin"]
+
+    @get("/admin/cache", summary="Prefix-cache statistics")
+    async def cache(self, services: Services) -> dict[str, Any]:
+        """The engine's cache view (block hit rates, reuse histogram, tier occupancy,
+        evictions, swaps) under ``engine``, and prompt-token usage aggregated by
+        tenant and by system prompt under ``requests``."""
+        return {"engine": services.engine.cache_stats(), "requests": services.usage.snapshot()}
+
+    @get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE)
+    async def metrics(self, services: Services) -> Response[bytes]:
+        return Response(services.metrics.render(), media_type=CONTENT_TYPE)

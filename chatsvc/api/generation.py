@@ -1,0 +1,182 @@
+"""Steps shared by the native and the OpenAI-compatible endpoints.
+
+Everything here that can fail on bad input runs before the engine or Redis is
+touched, so a rejected request leaves no state behind.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from chatsvc.api.errors import ContextLengthError, InvalidRequestError, RateLimitError
+from chatsvc.service import Services
+from chatsvc.store.records import SystemPromptRecord, TenantRecord
+
+
+@dataclass
+class SampleResult:
+    """What one sample (index) produced by the end of its generation."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: object | None = None  # chatsvc.engine.request.RequestMetrics
+
+
+def build_sampling(
+    services: Services,
+    *,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: list[str],
+    n: int = 1,
+):
+    """SamplingParams from request fields, with the service's caps; 400 on bad values.
+
+    ``max_tokens`` stays None here when not given: it is resolved against the
+    prompt's length by ``fit_context``.
+    """
+    from chatsvc.engine import SamplingParams
+
+    limits = services.settings.limits
+    if max_tokens is not None and max_tokens > limits.max_tokens_cap:
+        raise InvalidRequestError(
+            f"max_tokens {max_tokens} exceeds this server's cap of {limits.max_tokens_cap}"
+        )
+    if n > limits.max_n:
+        raise InvalidRequestError(f"n {n} exceeds this server's cap of {limits.max_n}")
+    try:
+        params = SamplingParams(
+            max_tokens=1 if max_tokens is None else max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple(stop),
+            n=n,
+        ).validate()
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(str(exc)) from None
+    return params, max_tokens
+
+
+def fit_context(services: Services, prompt_len: int, sampling, requested: int | None):
+    """Return sampling with max_tokens fitted to the model's context; 400 if it cannot fit.
+
+    An explicit max_tokens that overflows the context is an error (as in
+    OpenAI's API) rather than a silent truncation; an absent one takes the
+    room that is left, up to the server's cap.
+    """
+    from dataclasses import replace
+
+    limit = services.engine.max_context_len
+    room = limit - prompt_len
+    if room < 1:
+        raise ContextLengthError(
+            f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens"
+        )
+    if requested is None:
+        return replace(sampling, max_tokens=min(room, services.settings.limits.max_tokens_cap))
+    if requested > room:
+        raise ContextLengthError(
+            f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds this "
+            f"model's context of {limit} tokens"
+        )
+    return sampling
+
+
+def check_text(text: str, services: Services, what: str = "message") -> str:
+    if not text.strip():
+        raise InvalidRequestError(f"the {what} is empty")
+    limit = services.settings.limits.max_message_chars
+    if len(text) > limit:
+        raise InvalidRequestError(f"the {what} has {len(text)} characters; the limit is {limit}")
+    return text
+
+
+def shared_prefix_len(prompt: list[int], system_prompt: SystemPromptRecord | None) -> int:
+    """Leading prompt tokens that belong to a *shared* system prompt (0 = all private).
+
+    Only the exact tokens stored with the shared prompt count, and only when
+    the prompt really starts with them; the first token after them (the user's
+    text) is private, so the tenant's salt covers every block holding it.
+    """
+    if system_prompt is None or not system_prompt.shared or not system_prompt.token_ids:
+        return 0
+    n = len(system_prompt.token_ids)
+    return n if prompt[:n] == system_prompt.token_ids else 0
+
+
+def system_prefix_tokens(services: Services, text: str) -> list[int]:
+    """The tokens a system prompt contributes to the front of every rendered conversation.
+
+    Rendering the system message followed by two different user messages and
+    keeping the common prefix gives exactly the tokens that do not depend on
+    what follows, whatever the template and tokenizer do at the boundary.
+    """
+    fmt = services.engine.chat_format
+    a = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "a"}])
+    b = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "Zq"}])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def namespace_for(tenant: TenantRecord, shared_len: int):
+    """The cache namespace of a tenant's prompt whose first ``shared_len`` tokens are public."""
+    from cache import Namespace
+
+    return Namespace(tenant_salt=tenant.cache_salt, shared_prefix_len=shared_len, label=tenant.id)
+
+
+class StreamSlot:
+    """One of the tenant's concurrent-generation slots; release is idempotent."""
+
+    def __init__(self, services: Services, tenant_id: str) -> None:
+        if not services.streams.try_acquire(tenant_id):
+            raise RateLimitError(
+                f"this tenant already runs {services.streams.limit} generations; retry later"
+            )
+        self._services = services
+        self._tenant_id = tenant_id
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._services.streams.release(self._tenant_id)
+
+
+def new_request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+async def generate(services: Services, request) -> AsyncIterator:
+    """The engine's deltas for ``request``; leaving early aborts it and frees its blocks."""
+    async with aclosing(services.engine.generate(request)) as deltas:
+        async for delta in deltas:
+            yield delta
+
+
+def record_finished(services: Services, endpoint: str, labels: dict[str, str], samples) -> None:
+    """Feed a finished request's usage into the admin stats and the Prometheus metrics."""
+    first = samples[0].metrics
+    if first is None:
+        return
+    completion = sum(s.metrics.completion_tokens for s in samples if s.metrics is not None)
+    services.usage.record(labels, first.prompt_tokens, first.cached_prompt_tokens)
+    services.metrics.observe_request(
+        endpoint,
+        prompt_tokens=first.prompt_tokens,
+        cached_tokens=first.cached_prompt_tokens,
+        completion_tokens=completion,
+        ttft_s=first.ttft_s,
+        tpot_s=first.tpot_s,
+    )

@@ -1,0 +1,114 @@
+"""Sessions: create, list, read, delete, and the history of one."""
+
+from __future__ import annotations
+
+from litestar import Controller, delete, get, post
+from litestar.params import Parameter
+
+from chatsvc.api import generation as gen
+from chatsvc.api.errors import InvalidRequestError, NotFoundError, RateLimitError
+from chatsvc.api.schemas import CreateSession, SessionList, SessionView
+from chatsvc.api.turn import UNKNOWN_SESSION, get_session
+from chatsvc.service import Services
+from chatsvc.store.records import SessionRecord, TenantRecord
+
+
+def session_view(session: SessionRecord) -> SessionView:
+    return SessionView(
+        id=session.id,
+        system_prompt_id=session.system_prompt_id,
+        metadata=session.metadata,
+        num_messages=session.num_messages,
+        num_tokens=len(session.token_ids),
+        created_at=session.created_at,
+        updated_at=session.updated_at,
+    )
+
+
+class SessionController(Controller):
+    path = "/sessions"
+    tags = ["sessions"]
+
+    @post("/", summary="Create a session", status_code=201)
+    async def create_session(
+        self, data: CreateSession, services: Services, tenant: TenantRecord
+    ) -> SessionView:
+        """Start a conversation on a stored system prompt, inline text, or the model's default."""
+        store = services.store
+        if data.system_prompt_id is not None and data.system_prompt is not None:
+            raise InvalidRequestError("give system_prompt_id or system_prompt, not both")
+        text, token_ids = None, []
+        if data.system_prompt_id is not None:
+            prompt = await _system_prompt(services, tenant, data.system_prompt_id)
+            text, token_ids = prompt.text, list(prompt.token_ids)
+        elif data.system_prompt is not None:
+            text = gen.check_text(data.system_prompt, services, "system prompt")
+            token_ids = gen.system_prefix_tokens(services, text)
+        limit = services.settings.limits.max_sessions_per_tenant
+        if await _count_sessions(store, tenant.id) >= limit:
+            raise RateLimitError(f"this tenant already has {limit} sessions; delete some first")
+        try:
+            session = await store.create_session(
+                tenant.id, data.system_prompt_id, text, token_ids, data.metadata
+            )
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return session_view(session)
+
+    @get("/", summary="List the tenant's sessions, most recently used first")
+    async def list_sessions(
+        self,
+        services: Services,
+        tenant: TenantRecord,
+        limit: int = Parameter(default=50, ge=1, le=500),
+        cursor: str | None = Parameter(default=None, max_length=200),
+    ) -> SessionList:
+        """One page of sessions; pass ``next_cursor`` back as ``cursor`` for the next."""
+        try:
+            sessions, next_cursor = await services.store.list_sessions(
+                tenant.id, limit=limit, cursor=cursor
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(f"bad cursor: {exc}") from None
+        return SessionList(
+            sessions=[session_view(s) for s in sessions],
+            next_cursor=None if next_cursor is None else str(next_cursor),
+        )
+
+    @get("/{session_id:str}", summary="Read a session")
+    async def read_session(
+        self, session_id: str, services: Services, tenant: TenantRecord
+    ) -> SessionView:
+        session = await get_session(services, tenant, session_id)
+        if session is None:
+            raise NotFoundError(UNKNOWN_SESSION)
+        return session_view(session)
+
+    @delete("/{session_id:str}", summary="Delete a session and every key it has", status_code=204)
+    async def delete_session(
+        self, session_id: str, services: Services, tenant: TenantRecord
+    ) -> None:
+        try:
+            deleted = await services.store.delete_session(tenant.id, session_id)
+        except ValueError:
+            deleted = False
+        if not deleted:
+            raise NotFoundError(UNKNOWN_SESSION)
+
+
+async def _count_sessions(store, tenant_id: str) -> int:
+    # The store has no count method; the tenant's index is a sorted set whose
+    # size counts sessions (expired ones until a listing prunes them, so the
+    # limit errs on the strict side).
+    with store._unavailable():
+        return await store.redis.zcard(store.keys.tenant_sessions(tenant_id))
+
+
+async def _system_prompt(services: Services, tenant: TenantRecord, prompt_id: str):
+    try:
+        prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
+    except ValueError:
+        prompt = None
+    if prompt is None:
+        raise NotFoundError("no such system prompt")
+    return prompt

@@ -1,0 +1,196 @@
+"""One turn of a session: user message in, assistant message out, history appended once.
+
+Life of a turn (the order is what keeps Redis consistent):
+
+    validate body            -> 400, nothing touched
+    load session             -> 404
+    take a generation slot   -> 429
+    take the turn lock       -> 409 (another turn of this session is running)
+    reload session, build the prompt, fit the context -> 400, lock released
+    generate (streamed or not)
+    on finish: append_turn (user + assistant + token history in one MULTI/EXEC)
+    release lock and slot
+
+A turn that does not finish (client gone, engine abort, error) is not
+acknowledged: nothing is appended and the history stays as it was, so a
+retried message never sees a half answer in its context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+
+from chatsvc.api import generation as gen
+from chatsvc.api.errors import NotFoundError, ServiceUnavailableError
+from chatsvc.api.schemas import MessageView, PostMessage, Timings, TurnResult, Usage
+from chatsvc.service import Services
+from chatsvc.store.records import MessageRecord, SessionRecord, TenantRecord
+from chatsvc.store.records import Usage as UsageRecord
+
+UNKNOWN_SESSION = "no such session"
+
+
+@dataclass
+class PreparedTurn:
+    session: SessionRecord
+    user: MessageRecord
+    request: object  # chatsvc.engine.GenerationRequest
+    reused: bool
+
+
+class TurnHold:
+    """The turn lock and the generation slot of one turn; ``release`` is idempotent."""
+
+    def __init__(self, slot: gen.StreamSlot, lock_cm) -> None:
+        self._slot = slot
+        self._lock_cm = lock_cm
+        self._released = False
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
+            # Shielded: on a client disconnect this runs inside a cancelled scope,
+            # and an unshielded await would leave the lock held until its TTL.
+            with anyio.CancelScope(shield=True):
+                await self._lock_cm.__aexit__(None, None, None)
+        finally:
+            self._slot.release()
+
+
+async def begin_turn(
+    services: Services, tenant: TenantRecord, session_id: str, body: PostMessage
+) -> tuple[PreparedTurn, TurnHold]:
+    """Validate, lock and build the prompt; on any failure nothing stays held or written."""
+    store = services.store
+    gen.check_text(body.content, services)
+    sampling, requested = gen.build_sampling(
+        services,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=body.stop,
+    )
+    if await get_session(services, tenant, session_id) is None:
+        raise NotFoundError(UNKNOWN_SESSION)
+    slot = gen.StreamSlot(services, tenant.id)
+    try:
+        lock_cm = store.turn_lock(tenant.id, session_id)
+        await lock_cm.__aenter__()
+    except BaseException:
+        slot.release()
+        raise
+    hold = TurnHold(slot, lock_cm)
+    try:
+        prepared = await _prepare(services, tenant, session_id, body.content, sampling, requested)
+    except BaseException:
+        await hold.release()
+        raise
+    return prepared, hold
+
+
+async def get_session(services: Services, tenant: TenantRecord, session_id: str):
+    try:
+        return await services.store.get_session(tenant.id, session_id)
+    except ValueError:  # a malformed id can name no session: same answer as an unknown one
+        return None
+
+
+async def _prepare(services, tenant, session_id, text, sampling, requested) -> PreparedTurn:
+    from chatsvc.engine import GenerationRequest
+
+    store = services.store
+    # Reloaded under the lock: the turn before this one may have finished since.
+    session = await store.get_session(tenant.id, session_id)
+    history = await store.get_messages(tenant.id, session_id)
+    if session is None or history is None:
+        raise NotFoundError(UNKNOWN_SESSION)
+    messages = [{"role": m.role, "content": m.text} for m in history]
+    messages.append({"role": "user", "content": text})
+    prompt, reused = services.engine.chat_format.extend(session.token_ids, messages)
+    sampling = gen.fit_context(services, len(prompt), sampling, requested)
+    system = None
+    if session.system_prompt_id is not None:
+        system = await store.get_system_prompt(tenant.id, session.system_prompt_id)
+    labels = {"tenant": tenant.id}
+    if session.system_prompt_id is not None:
+        labels["system_prompt"] = session.system_prompt_id
+    if not reused:
+        services.usage.record_lost_reuse(labels)
+    request = GenerationRequest(
+        request_id=gen.new_request_id("turn"),
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        namespace=gen.namespace_for(tenant, gen.shared_prefix_len(prompt, system)),
+        labels=labels,
+    )
+    start = len(session.token_ids) if reused else 0
+    user = MessageRecord(role="user", text=text, token_ids=prompt[start:])
+    return PreparedTurn(session=session, user=user, request=request, reused=reused)
+
+
+async def run_turn(
+    services: Services, tenant: TenantRecord, turn: PreparedTurn, hold: TurnHold
+) -> AsyncIterator[str | TurnResult]:
+    """Yield text pieces, then the TurnResult once the turn is stored; releases ``hold``."""
+    sample = gen.SampleResult()
+    try:
+        async for delta in gen.generate(services, turn.request):
+            sample.token_ids.extend(delta.token_ids)
+            sample.text += delta.text
+            if delta.text:
+                yield delta.text
+            if delta.finish_reason is not None:
+                sample.finish_reason = delta.finish_reason
+                sample.metrics = delta.metrics
+        if sample.finish_reason in (None, "abort") or sample.metrics is None:
+            services.metrics.observe_failure("session_turn", "aborted")
+            raise ServiceUnavailableError("the generation was aborted; the turn was not stored")
+        result = await _store_turn(services, tenant, turn, sample)
+        gen.record_finished(services, "session_turn", turn.request.labels, [sample])
+        yield result
+    finally:
+        await hold.release()
+
+
+async def _store_turn(services, tenant, turn: PreparedTurn, sample) -> TurnResult:
+    m = sample.metrics
+    assistant = MessageRecord(
+        role="assistant",
+        text=sample.text,
+        token_ids=sample.token_ids,
+        usage=UsageRecord(
+            prompt_tokens=m.prompt_tokens,
+            cached_tokens=m.cached_prompt_tokens,
+            completion_tokens=m.completion_tokens,
+            ttft_s=m.ttft_s,
+        ),
+    )
+    # Shielded so a disconnect arriving during the write cannot cut the MULTI/EXEC
+    # round trip in half; the write itself is all-or-nothing in Redis either way.
+    with anyio.CancelScope(shield=True):
+        await services.store.append_turn(
+            tenant.id,
+            turn.session.id,
+            turn.user,
+            assistant,
+            token_ids=[*turn.request.prompt_token_ids, *sample.token_ids],
+        )
+    return TurnResult(
+        session_id=turn.session.id,
+        message=MessageView(role="assistant", content=sample.text, created_at=assistant.created_at),
+        finish_reason=sample.finish_reason,
+        usage=Usage(
+            prompt_tokens=m.prompt_tokens,
+            cached_tokens=m.cached_prompt_tokens,
+            completion_tokens=m.completion_tokens,
+        ),
+        timings=Timings(ttft_s=m.ttft_s, tpot_s=m.tpot_s, latency_s=m.latency_s),
+        prefix_reused=turn.reused,
+    )

@@ -1,0 +1,154 @@
+"""Wiring: settings -> store + engine -> app. The app's lifespan owns both clients.
+
+Start order: Redis (embedded when no URL), the store (which applies pending
+migrations), tenants from the settings, then the engine (loads the model).
+Shutdown runs in reverse, and a failure at any start step undoes the earlier ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chatsvc.config import LOCAL_TENANT, Settings
+from chatsvc.metrics import Metrics, UsageStats
+from chatsvc.store import Store
+from chatsvc.store.records import TenantRecord
+
+log = logging.getLogger(__name__)
+
+
+class StreamLimiter:
+    """Caps the generations one tenant runs at once (a single event loop: no lock needed)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._active: dict[str, int] = {}
+
+    def try_acquire(self, tenant_id: str) -> bool:
+        if self._active.get(tenant_id, 0) >= self.limit:
+            return False
+        self._active[tenant_id] = self._active.get(tenant_id, 0) + 1
+        return True
+
+    def release(self, tenant_id: str) -> None:
+        left = self._active.get(tenant_id, 0) - 1
+        if left > 0:
+            self._active[tenant_id] = left
+        else:
+            self._active.pop(tenant_id, None)
+
+    def active(self, tenant_id: str) -> int:
+        return self._active.get(tenant_id, 0)
+
+
+@dataclass
+class Services:
+    """What handlers receive by dependency injection."""
+
+    settings: Settings
+    store: Store
+    engine: Any  # chatsvc.engine.AsyncEngine (kept untyped: importing it loads torch)
+    metrics: Metrics = field(default_factory=Metrics)
+    usage: UsageStats = field(default_factory=UsageStats)
+    local_tenant: TenantRecord | None = None
+    streams: StreamLimiter | None = None
+    engine_started: bool = False
+    # Unix time the service came up (the ``created`` of /v1/models).
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = StreamLimiter(self.settings.limits.max_streams_per_tenant)
+
+
+async def bootstrap_tenants(store: Store, settings: Settings) -> TenantRecord | None:
+    """Create the configured tenants that do not exist yet; return the local tenant if no auth.
+
+    Idempotent across restarts: a tenant is looked up by its key before it is created.
+    """
+    for name, key in settings.api_keys:
+        if await store.tenant_by_api_key(key) is None:
+            await store.create_tenant(name, key)
+            log.info("created tenant %s", name)
+    if settings.auth_enabled:
+        return None
+    key = _local_key(settings)
+    tenant = await store.tenant_by_api_key(key)
+    return tenant if tenant is not None else await store.create_tenant(LOCAL_TENANT, key)
+
+
+def _local_key(settings: Settings) -> str:
+    # The local tenant needs a stable identity across restarts but must not have a
+    # guessable key: were the service later started with auth on, that key would
+    # still open the local tenant's sessions. So it is random and kept in a 0600 file.
+    path: Path = settings.redis_dir().parent / "local_tenant.key"
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(key)
+    return key
+
+
+def build_engine(settings: Settings) -> Any:
+    from chatsvc.engine import AsyncEngine, EngineConfig
+
+    config = settings.engine if settings.engine is not None else EngineConfig.from_env()
+    return AsyncEngine(config)
+
+
+@asynccontextmanager
+async def running_services(settings: Settings) -> AsyncIterator[Services]:
+    """Start Redis (if embedded), the store and the engine; stop them all on exit."""
+    async with AsyncExitStack() as stack:
+        url = settings.redis_url
+        if url is None:
+            from chatsvc.store.embedded import EmbeddedRedis
+
+            embedded = EmbeddedRedis(settings.redis_dir())
+            url = await _start_embedded(embedded)
+            stack.push_async_callback(_stop_embedded, embedded)
+            log.info("embedded Redis at %s (data in %s)", url, settings.redis_dir())
+        store = await Store.connect(
+            url, prefix=settings.key_prefix, session_ttl_s=settings.session_ttl_s
+        )
+        stack.push_async_callback(store.close)
+        local = await bootstrap_tenants(store, settings)
+        engine = build_engine(settings)
+        services = Services(settings=settings, store=store, engine=engine, local_tenant=local)
+        await engine.start()
+        services.engine_started = True
+        stack.push_async_callback(engine.stop)
+        services.metrics.sample_tiers_with(lambda: tier_usage(engine.cache_stats()))
+        yield services
+        services.engine_started = False
+
+
+async def _start_embedded(embedded: Any) -> str:
+    result = embedded.start()
+    if hasattr(result, "__await__"):
+        result = await result
+    return embedded.url if isinstance(getattr(embedded, "url", None), str) else result
+
+
+async def _stop_embedded(embedded: Any) -> None:
+    result = embedded.stop()
+    if hasattr(result, "__await__"):
+        await result
+
+
+def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(used, total) blocks per tier out of ``engine.cache_stats()``."""
+    tiers = stats.get("tiers", {})
+    return {
+        name: (int(tier.get("used_blocks", 0)), int(tier.get("total_blocks", 0)))
+        for name, tier in tiers.items()
+    }
