@@ -1,0 +1,265 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Each step has a token budget (``max_num_batched_tokens``) and a cap on running
+sequences (``max_num_seqs``). Order of business:
+
+1. Decode first: every running sequence that needs one token gets it (a slot
+   from ``append_slots``), oldest first, so no prefill can stall a stream.
+2. Running prefills continue with chunks of whatever budget is left (chunked
+   prefill: a long prompt advances a chunk per step between decodes).
+3. Admission: waiting sequences join while budget, sequence slots and blocks
+   last. ``allocate`` maps the longest cached prefix first, so only the
+   uncached suffix is computed. Order: re-queued preempted sequences, then
+   those waiting past the age bound (FIFO), then the longest cached prefix
+   first. Admission stops at the first candidate that does not fit, so a big
+   request is not overtaken forever by small ones.
+
+Out of blocks: the cache already evicts unreferenced cached blocks itself (to
+the host tier when it has one). When that is not enough for a decode, the
+newest running sequence not yet scheduled this step is preempted by
+*recompute*: its blocks are freed, but the full ones whose KV was written stay
+in the prefix index (on the device, or swapped to the host when evicted), so on
+re-admission ``allocate`` re-matches them and only the tail is recomputed. It
+goes back to the front of the waiting queue.
+
+No deadlock: a request that could never fit (more blocks than the pool) is
+refused at submit time, so a sequence alone in the engine always fits; if the
+sequence that cannot grow is the only candidate left it preempts itself and is
+re-admitted once the others finished or were preempted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cache import CachePlan, KVCacheManager
+from cache.errors import OutOfBlocksError
+from chatsvc.engine.errors import RequestTooLargeError
+from chatsvc.engine.sequence import Sequence, SequenceStatus
+
+# Waiting sequences whose cached prefix is measured per step: bounds the hashing
+# work when the queue is long; the rest keep FIFO order behind them.
+MAX_RANKED_CANDIDATES = 64
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits and the starvation bound of the waiting queue."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_wait_steps: int = 64  # a sequence waiting longer than this goes first
+    max_wait_s: float = 10.0  # ... or longer than this
+
+    def validate(self) -> SchedulerConfig:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_wait_steps < 1 or self.max_wait_s <= 0:
+            raise ValueError("max_wait_steps and max_wait_s must be positive")
+        return self
+
+
+@dataclass
+class ScheduledSequence:
+    """``num_new_tokens`` tokens of ``seq`` from position ``start`` on.
+
+    ``completes``: after this step every token has KV, so the last token's logits
+    give the next token (false for intermediate prefill chunks: no sampling).
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    slots: list[int]
+    start: int = 0
+    completes: bool = False
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.completes = self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what to run, the cache plans to execute before it (in order), what changed."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    plans: list[CachePlan] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; talks to the cache, never to the model."""
+
+    def __init__(self, cache: KVCacheManager, block_size: int, config: SchedulerConfig) -> None:
+        self.cache = cache
+        self.block_size = block_size
+        self.config = config.validate()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING)."""
+        seq.waiting_since_step = self.num_steps
+        self.waiting.append(seq)
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A child already holding blocks through ``cache.fork``: it joins the running list."""
+        seq.status = SequenceStatus.RUNNING
+        seq.was_admitted = True
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step; mutates the cache (slots, allocations, preemptions)."""
+        self.num_steps += 1
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_decode:
+                continue
+            slots = self._append_decode_slot(seq, scheduled_ids, out)
+            if slots is None:
+                continue
+            out.scheduled.append(ScheduledSequence(seq, 1, slots))
+            scheduled_ids.add(seq.seq_id)
+            budget -= 1
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled_ids or seq.status is not SequenceStatus.RUNNING:
+                continue
+            chunk = min(seq.num_tokens_to_compute, budget)
+            out.scheduled.append(ScheduledSequence(seq, chunk, self._prefill_slots(seq, chunk)))
+            scheduled_ids.add(seq.seq_id)
+            budget -= chunk
+
+        self._admit(budget, out)
+        return out
+
+    def _append_decode_slot(
+        self, seq: Sequence, scheduled_ids: set[int], out: SchedulerOutput
+    ) -> list[int] | None:
+        while True:
+            try:
+                result = self.cache.append_slots(seq.seq_id, [seq.output_token_ids[-1]])
+            except OutOfBlocksError:
+                victim = self._pick_victim(scheduled_ids)
+                self._preempt(victim, out)
+                if victim is seq:
+                    return None
+                continue
+            if not result.plan.is_empty:
+                out.plans.append(result.plan)
+            return result.slots
+
+    def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq.seq_id not in scheduled_ids:
+                return seq
+        raise AssertionError("the sequence being scheduled is always a candidate")
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        seq.waiting_since_step = self.num_steps
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _prefill_slots(self, seq: Sequence, chunk: int) -> list[int]:
+        table = self.cache.block_table(seq.seq_id)
+        size = self.block_size
+        start = seq.num_computed_tokens
+        return [table[p // size] * size + p % size for p in range(start, start + chunk)]
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return
+        for seq in self._ranked_waiting():
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            # Measured again: an admission just before may have changed what is cached.
+            needed = self._blocks_needed(seq)
+            if not self.cache.can_allocate(needed):
+                if not self.running and not out.scheduled:
+                    # Nothing else holds blocks: it will never fit. Refused at submit
+                    # time already, so this is a safety net against a silent stall.
+                    self.waiting.remove(seq)
+                    error = RequestTooLargeError(
+                        f"request {seq.request.request_id!r} needs {needed} KV blocks; "
+                        "the whole pool cannot hold it"
+                    )
+                    out.failed.append((seq, error))
+                break
+            result = self.cache.allocate(seq.seq_id, seq.token_ids(), seq.request.namespace)
+            if not result.plan.is_empty:
+                out.plans.append(result.plan)
+            self.waiting.remove(seq)
+            if not seq.was_admitted:
+                seq.num_cached_tokens = result.num_cached_tokens
+                seq.was_admitted = True
+            seq.num_computed_tokens = result.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunk = min(seq.num_tokens_to_compute, budget)
+            out.scheduled.append(ScheduledSequence(seq, chunk, self._prefill_slots(seq, chunk)))
+            budget -= chunk
+
+    def _ranked_waiting(self) -> list[Sequence]:
+        """Waiting sequences in admission order (see the module docstring)."""
+        now = time.perf_counter()
+        first: list[Sequence] = []
+        rest: list[Sequence] = []
+        for seq in self.waiting:
+            aged = (
+                self.num_steps - seq.waiting_since_step > self.config.max_wait_steps
+                or now - seq.arrival_time > self.config.max_wait_s
+            )
+            (first if seq.status is SequenceStatus.PREEMPTED or aged else rest).append(seq)
+        measured = rest[:MAX_RANKED_CANDIDATES]
+
+        def cached_blocks(seq: Sequence) -> int:
+            # num_blocks_needed counts a matched but unreferenced cached block as
+            # needed (it stops being evictable), so it cannot rank prefixes; the
+            # match length itself is not in the cache contract yet.
+            return len(self.cache._match(seq.token_ids(), seq.request.namespace))
+
+        # sorted() is stable: equal prefixes keep arrival order.
+        return first + sorted(measured, key=cached_blocks, reverse=True) + rest[len(measured) :]
+
+    def _blocks_needed(self, seq: Sequence) -> int:
+        return self.cache.num_blocks_needed(seq.token_ids(), seq.request.namespace)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)

@@ -1,0 +1,177 @@
+"""Scheduler against a real KVCacheManager, no model: KV "computation" is mark_computed."""
+
+import itertools
+
+import pytest
+
+from cache import KVCacheManager, Namespace
+from chatsvc.engine.detokenizer import IncrementalDetokenizer
+from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.engine.scheduler import Scheduler, SchedulerConfig
+from chatsvc.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+NS = Namespace(tenant_salt=b"t", label="t")
+_ids = itertools.count()
+
+
+class _Tok:
+    def decode(self, token_ids, skip_special_tokens=True):
+        return " ".join(map(str, token_ids))
+
+
+def make_seq(prompt, max_tokens=8, arrival=None):
+    request = GenerationRequest(f"r{next(_ids)}", list(prompt), SamplingParams(max_tokens), NS)
+    seq = Sequence(next(_ids), request, 0, list(prompt), IncrementalDetokenizer(_Tok(), []), None)
+    if arrival is not None:
+        seq.arrival_time = arrival
+    return seq
+
+
+def make(num_blocks=64, host=0, **config):
+    cache = KVCacheManager(num_blocks, BS, num_host_blocks=host, debug_checks=True)
+    return cache, Scheduler(cache, BS, SchedulerConfig(**config))
+
+
+def step(sched, cache, next_token=7):
+    """Run one scheduled step the way the runner does, and finish sequences at max_tokens."""
+    out = sched.schedule()
+    for item in out.scheduled:
+        seq = item.seq
+        done = seq.num_computed_tokens + item.num_new_tokens
+        assert len(item.slots) == item.num_new_tokens
+        cache.mark_computed(seq.seq_id, done)
+        seq.num_computed_tokens = done
+        if item.completes:
+            seq.append_token(next_token, 0.0)
+            if len(seq.output_token_ids) >= seq.sampling.max_tokens:
+                seq.status = SequenceStatus.FINISHED
+                sched.remove(seq)
+    cache.check_integrity()
+    return out
+
+
+def test_chunked_prefill_samples_only_after_the_last_chunk():
+    cache, sched = make(max_num_batched_tokens=16)
+    seq = make_seq(range(100, 140))
+    sched.add(seq)
+    chunks = []
+    for _ in range(3):
+        out = step(sched, cache)
+        chunks.append([(s.num_new_tokens, s.completes) for s in out.scheduled])
+    assert chunks == [[(16, False)], [(16, False)], [(8, True)]]
+    assert seq.output_token_ids == [7]
+    assert [(s.num_new_tokens, s.completes) for s in step(sched, cache).scheduled] == [(1, True)]
+
+
+def test_decodes_go_first_and_prefill_gets_the_rest_of_the_budget():
+    cache, sched = make(max_num_batched_tokens=10)
+    a, b = make_seq(range(10, 13)), make_seq(range(20, 23))
+    sched.add(a)
+    sched.add(b)
+    step(sched, cache)  # both prefilled (3 + 3 tokens)
+    long = make_seq(range(1000, 1030))
+    sched.add(long)
+    out = step(sched, cache)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 8)]
+    out = step(sched, cache)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 8)]
+
+
+def test_slots_follow_the_block_table():
+    cache, sched = make()
+    seq = make_seq(range(50, 59))
+    sched.add(seq)
+    out = step(sched, cache)
+    table = cache.block_table(seq.seq_id)
+    expected = [table[p // BS] * BS + p % BS for p in range(9)]
+    assert out.scheduled[0].slots == expected
+    out = step(sched, cache)  # decode: token 9 goes to offset 1 of block 2
+    assert out.scheduled[0].slots == [table[2] * BS + 1]
+
+
+def test_admission_matches_the_prefix_and_computes_only_the_suffix():
+    cache, sched = make()
+    first = make_seq(range(300, 314), max_tokens=1)
+    sched.add(first)
+    step(sched, cache)
+    assert first.status is SequenceStatus.FINISHED
+    follow_up = make_seq([*range(300, 314), 7, 1, 2, 3])
+    sched.add(follow_up)
+    out = step(sched, cache)
+    # 15 tokens (prompt 14 + answer 7) were computed; 12 of them lie in full blocks.
+    assert follow_up.num_cached_tokens == 12
+    assert out.scheduled[0].num_new_tokens == len(follow_up.prompt_token_ids) - 12
+
+
+def test_longest_cached_prefix_first_with_an_age_bound():
+    cache, sched = make(max_num_seqs=1, max_wait_steps=3)
+    warm = make_seq(range(400, 420), max_tokens=1)
+    sched.add(warm)
+    step(sched, cache)
+    cold = make_seq(range(900, 920), max_tokens=2)
+    hot = make_seq([*range(400, 420), 5, 6], max_tokens=2)
+    sched.add(cold)
+    sched.add(hot)
+    step(sched, cache)
+    assert hot.status is SequenceStatus.RUNNING and cold.status is SequenceStatus.WAITING
+    # A stream of newcomers with a better prefix goes ahead of `cold`, but only until
+    # `cold` has waited past the bound.
+    admitted = [hot]
+    for i in range(12):
+        sched.add(make_seq([*range(400, 420), 100 + i], max_tokens=2))
+        step(sched, cache)
+        admitted.extend(seq for seq in sched.running if seq not in admitted)
+    assert hot in admitted and cold in admitted
+    position = admitted.index(cold)
+    assert 2 <= position <= 4, [seq.request.request_id for seq in admitted]
+
+
+def test_out_of_blocks_preempts_the_newest_and_everything_finishes():
+    # 8 blocks of 4: two sequences of 8 prompt + 12 output tokens need 10 blocks together.
+    cache, sched = make(num_blocks=8)
+    old, new = make_seq(range(10, 18), max_tokens=12), make_seq(range(30, 38), max_tokens=12)
+    sched.add(old)
+    sched.add(new)
+    preempted = []
+    for _ in range(100):
+        if not sched.has_work:
+            break
+        preempted.extend(step(sched, cache).preempted)
+    assert not sched.has_work
+    assert preempted and preempted[0] is new
+    assert len(old.output_token_ids) == len(new.output_token_ids) == 12
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    snapshot = cache.stats_snapshot()["device"]
+    assert snapshot["used"] == 0
+    assert snapshot["free"] + snapshot["evictable"] == 8
+
+
+def test_preempted_sequence_reuses_its_indexed_blocks_from_the_host_tier():
+    cache, sched = make(num_blocks=8, host=16)
+    old, new = make_seq(range(10, 18), max_tokens=12), make_seq(range(30, 38), max_tokens=12)
+    sched.add(old)
+    sched.add(new)
+    plans = []
+    while sched.has_work:
+        plans.extend(step(sched, cache).plans)
+    assert any(p.swap_out for p in plans)
+    assert len(new.output_token_ids) == 12
+    assert cache.stats_snapshot()["device"]["used"] == 0
+
+
+def test_request_that_never_fits_fails_instead_of_stalling():
+    cache, sched = make(num_blocks=2)
+    seq = make_seq(range(0, 20))
+    sched.add(seq)
+    out = sched.schedule()
+    assert [s for s, _ in out.failed] == [seq]
+    assert isinstance(out.failed[0][1], ValueError)
+    assert not sched.has_work
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0).validate()
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0).validate()
