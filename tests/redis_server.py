@@ -1,0 +1,43 @@
+"""A real Redis-compatible server for the test session, and per-test key prefixes.
+
+Any conftest can use it:
+
+    @pytest.fixture(scope="session")
+    def redis_server(tmp_path_factory):
+        with test_server(tmp_path_factory.mktemp("redis")) as server:
+            yield server
+
+Tests share the server and keep apart by key prefix (``unique_prefix()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from chatsvc.store.embedded import EmbeddedRedis
+
+
+@contextlib.contextmanager
+def test_server(data_dir: Path, appendfsync: str = "everysec") -> Iterator[EmbeddedRedis]:
+    """Start an EmbeddedRedis in ``data_dir`` for the block.
+
+    ``everysec`` by default: the shared test server need not fsync every write;
+    the persistence tests start their own server with ``always``.
+    """
+    server = EmbeddedRedis(data_dir, appendfsync=appendfsync)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+test_server.__test__ = False  # not a test, despite the name
+
+
+def unique_prefix(label: str = "t") -> str:
+    """A key prefix no other test uses, so tests on one server never see each other's keys."""
+    return f"{label}-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,26 @@
+"""Small builders shared by the store tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from chatsvc.store import Store
+from chatsvc.store.records import MessageRecord, TenantRecord, Usage
+
+_keys = itertools.count()
+
+
+async def new_tenant(store: Store, name: str = "t") -> TenantRecord:
+    return await store.create_tenant(name, f"sk-test-{next(_keys):08d}-0123456789")
+
+
+def turn(n: int) -> tuple[MessageRecord, MessageRecord]:
+    """A user/assistant pair whose token ids encode ``n``, so order is checkable."""
+    user = MessageRecord(role="user", text=f"question {n}", token_ids=[1000 + n, 1])
+    assistant = MessageRecord(
+        role="assistant",
+        text=f"answer {n}",
+        token_ids=[2000 + n, 2, 3],
+        usage=Usage(prompt_tokens=10 + n, cached_tokens=n, completion_tokens=3, ttft_s=0.01),
+    )
+    return user, assistant

@@ -1,0 +1,190 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from chatsvc.store import SessionBusyError, Store, StoreError, StoreUnavailableError
+from chatsvc.store.records import MessageRecord
+from chatsvc.store.sessions import SessionStore
+from tests.store.helpers import new_tenant, turn
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_append_turn_keeps_text_tokens_usage_and_history(store: Store):
+    tenant = await new_tenant(store)
+    session = await store.create_session(tenant.id, None, "sys", [7, 8], {})
+    for n in range(3):
+        updated = await store.append_turn(tenant.id, session.id, *turn(n))
+    assert updated.num_messages == 7
+    assert updated.updated_at >= session.updated_at
+
+    stored = await store.get_session(tenant.id, session.id)
+    assert stored == updated
+    expected_tokens = [7, 8]
+    for n in range(3):
+        user, assistant = turn(n)
+        expected_tokens += user.token_ids + assistant.token_ids
+    assert stored.token_ids == expected_tokens
+
+    messages = await store.get_messages(tenant.id, session.id)
+    assert [m.role for m in messages] == ["system"] + ["user", "assistant"] * 3
+    assert messages[-1].text == "answer 2" and messages[-1].usage.cached_tokens == 2
+    assert messages[-2].usage is None
+
+
+async def test_append_turn_with_explicit_token_history(store: Store):
+    tenant = await new_tenant(store)
+    session = await store.create_session(tenant.id, None, "sys", [7, 8], {})
+    # A template that re-renders history hands over the whole new token list.
+    updated = await store.append_turn(tenant.id, session.id, *turn(0), token_ids=[9, 9, 9])
+    assert updated.token_ids == [9, 9, 9]
+    assert (await store.get_session(tenant.id, session.id)).token_ids == [9, 9, 9]
+
+
+async def test_append_turn_rejects_bad_messages_without_writing(store: Store):
+    tenant = await new_tenant(store)
+    session = await store.create_session(tenant.id, None, "sys", [1], {})
+    user, assistant = turn(0)
+    with pytest.raises(ValueError, match="role"):
+        await store.append_turn(tenant.id, session.id, assistant, user)
+    bad = MessageRecord(role="assistant", text="x", token_ids=[1, "2"])
+    with pytest.raises(ValueError, match="token_ids"):
+        await store.append_turn(tenant.id, session.id, user, bad)
+    with pytest.raises(TypeError):
+        await store.append_turn(tenant.id, session.id, user, {"role": "assistant"})
+    assert (await store.get_session(tenant.id, session.id)) == session
+    assert len(await store.get_messages(tenant.id, session.id)) == 1
+
+
+async def test_turn_lock_admits_one_holder(store: Store):
+    tenant = await new_tenant(store)
+    session = await store.create_session(tenant.id, None, None, None, {})
+    entered = asyncio.Event()
+    leave = asyncio.Event()
+
+    async def first():
+        async with store.turn_lock(tenant.id, session.id):
+            entered.set()
+            await leave.wait()
+
+    holder = asyncio.create_task(first())
+    await entered.wait()
+    with pytest.raises(SessionBusyError):
+        async with store.turn_lock(tenant.id, session.id):
+            pytest.fail("a second holder got in")
+    leave.set()
+    await holder
+    async with store.turn_lock(tenant.id, session.id):
+        pass  # free again once the first holder left
+
+
+async def test_turn_lock_released_on_exception(store: Store, raw, prefix):
+    tenant = await new_tenant(store)
+    session = await store.create_session(tenant.id, None, None, None, {})
+    with pytest.raises(RuntimeError, match="engine died"):
+        async with store.turn_lock(tenant.id, session.id):
+            raise RuntimeError("engine died")
+    assert await raw.exists(f"{prefix}:session:{{{session.id}}}:lock") == 0
+    async with store.turn_lock(tenant.id, session.id):
+        pass
+
+
+async def test_turn_lock_of_a_dead_holder_expires_and_is_extended_while_held(redis_server, prefix):
+    store = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=0.3)
+    other = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=0.3)
+    try:
+        tenant = await new_tenant(store)
+        session = await store.create_session(tenant.id, None, None, None, {})
+        async with store.turn_lock(tenant.id, session.id):
+            # Held for three TTLs: the keep-alive must keep the lock ours.
+            await asyncio.sleep(0.9)
+            with pytest.raises(SessionBusyError):
+                async with other.turn_lock(tenant.id, session.id):
+                    pass
+        # A holder that vanished without releasing (process killed): the
+        # lock key is left behind and must free itself after its TTL.
+        await store.redis.set(f"{prefix}:session:{{{session.id}}}:lock", "dead", px=300)
+        with pytest.raises(SessionBusyError):
+            async with other.turn_lock(tenant.id, session.id):
+                pass
+        await asyncio.sleep(0.6)
+        async with other.turn_lock(tenant.id, session.id):
+            pass
+    finally:
+        await store.close()
+        await other.close()
+
+
+def _interfere_before_exec(monkeypatch, action, times: int) -> list[int]:
+    """Run ``action`` (blocking) inside append_turn, after WATCH and before EXEC."""
+    original = SessionStore._after_turn
+    calls = []
+
+    def after_turn(session, user, assistant, token_ids):
+        calls.append(1)
+        if len(calls) <= times:
+            action()
+        return original(session, user, assistant, token_ids)
+
+    monkeypatch.setattr(SessionStore, "_after_turn", staticmethod(after_turn))
+    return calls
+
+
+async def test_rival_write_between_watch_and_exec_aborts_then_retries(
+    store: Store, redis_server, prefix, monkeypatch
+):
+    tenant = await new_tenant(store)
+    session = await store.create_session(tenant.id, None, "sys", [1], {})
+    key = f"{prefix}:session:{{{session.id}}}"
+    rival = redis.Redis.from_url(redis_server.url)
+    # Any write to the watched record, even of the same bytes, must void our EXEC.
+    calls = _interfere_before_exec(monkeypatch, lambda: rival.set(key, rival.get(key)), times=1)
+    try:
+        updated = await store.append_turn(tenant.id, session.id, *turn(1))
+    finally:
+        rival.close()
+    assert len(calls) == 2  # first EXEC aborted, second applied
+    messages = await store.get_messages(tenant.id, session.id)
+    assert [m.text for m in messages] == ["sys", "question 1", "answer 1"]
+    assert (
+        updated.num_messages == 3 == (await store.get_session(tenant.id, session.id)).num_messages
+    )
+
+
+def _kill_clients_named(url: str, name: str):
+    def kill() -> None:
+        admin = redis.Redis.from_url(url)
+        try:
+            for client in admin.client_list():
+                if client.get("name") == name:
+                    admin.client_kill_filter(_id=client["id"])
+        finally:
+            admin.close()
+
+    return kill
+
+
+async def test_connection_killed_before_exec_writes_nothing(redis_server, prefix, monkeypatch):
+    store = await Store.connect(redis_server.url, prefix=prefix, client_name=f"victim-{prefix}")
+    try:
+        tenant = await new_tenant(store)
+        session = await store.create_session(tenant.id, None, "sys", [1], {})
+        kill = _kill_clients_named(redis_server.url, f"victim-{prefix}")
+        _interfere_before_exec(monkeypatch, kill, times=1000)
+        with pytest.raises((StoreError, StoreUnavailableError)):
+            await store.append_turn(tenant.id, session.id, *turn(1))
+        monkeypatch.undo()
+        # Not one of the queued commands was applied.
+        assert await store.get_session(tenant.id, session.id) == session
+        assert [m.text for m in await store.get_messages(tenant.id, session.id)] == ["sys"]
+
+        # Killed once, the turn goes through on the retry, exactly once.
+        _interfere_before_exec(monkeypatch, kill, times=1)
+        await store.append_turn(tenant.id, session.id, *turn(2))
+        texts = [m.text for m in await store.get_messages(tenant.id, session.id)]
+        assert texts == ["sys", "question 2", "answer 2"]
+    finally:
+        await store.close()
