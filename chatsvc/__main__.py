@@ -3,24 +3,93 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="chatsvc")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the HTTP service")
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=None)
-    args = parser.parse_args(argv)
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
 
-    if args.command == "serve":
-        import uvicorn
+    from chatsvc.api.app import create_app
+    from chatsvc.config import Settings
 
-        from chatsvc.api.app import create_app
-
-        uvicorn.run(create_app(), host=args.host or "127.0.0.1", port=args.port or 8000)
+    settings = Settings.from_env().with_overrides(host=args.host, port=args.port)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        # Streams end on their own; this only bounds how long shutdown waits.
+        timeout_graceful_shutdown=10,
+    )
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from chatsvc.chat_client import ChatClient, ChatClientError, run
+
+    client = ChatClient(args.url, api_key=args.api_key or os.environ.get("CHATSVC_API_KEY"))
+    try:
+        return run(client, args.session, args.system, max_tokens=args.max_tokens)
+    except ChatClientError as exc:
+        print(f"chatsvc chat: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from chatsvc.config import Settings
+    from migrations.runner import migrate
+
+    settings = Settings.from_env()
+    url = args.redis_url or settings.redis_url
+    prefix = args.prefix or settings.key_prefix
+    if url is not None:
+        applied = asyncio.run(migrate(url, prefix))
+    else:
+        from chatsvc.store.embedded import EmbeddedRedis
+
+        with EmbeddedRedis(settings.redis_dir()) as server:
+            applied = asyncio.run(migrate(server.url, prefix))
+    print("applied: " + (", ".join(applied) if applied else "nothing (already current)"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chatsvc", description="Multi-turn chat service")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP service (settings: CHATSVC_* env vars)")
+    serve.add_argument("--host", default=None, help="overrides CHATSVC_HOST")
+    serve.add_argument("--port", type=int, default=None, help="overrides CHATSVC_PORT")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(run=_serve)
+
+    chat = sub.add_parser("chat", help="chat in the terminal, streaming")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--session", default=None, help="continue this session id")
+    chat.add_argument("--system", default=None, help="system prompt of a new session")
+    chat.add_argument("--api-key", default=None, help="default: $CHATSVC_API_KEY")
+    chat.add_argument("--max-tokens", type=int, default=None)
+    chat.set_defaults(run=_chat)
+
+    mig = sub.add_parser("migrate", help="apply pending Redis keyspace migrations")
+    mig.add_argument("--redis-url", default=None, help="default: CHATSVC_REDIS_URL or embedded")
+    mig.add_argument("--prefix", default=None, help="default: CHATSVC_KEY_PREFIX")
+    mig.set_defaults(run=_migrate)
+
+    args = parser.parse_args(argv)
+    from chatsvc.config import SettingsError
+
+    try:
+        return args.run(args)
+    except SettingsError as exc:
+        print(f"chatsvc: bad settings: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

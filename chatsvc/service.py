@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from chatsvc.config import LOCAL_TENANT, Settings
 from chatsvc.metrics import Metrics, UsageStats
 from chatsvc.store import Store
@@ -114,8 +116,10 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
             from chatsvc.store.embedded import EmbeddedRedis
 
             embedded = EmbeddedRedis(settings.redis_dir())
-            url = await _start_embedded(embedded)
-            stack.push_async_callback(_stop_embedded, embedded)
+            # start/stop block for a few ms up to the server's readiness wait.
+            await anyio.to_thread.run_sync(embedded.start)
+            stack.push_async_callback(anyio.to_thread.run_sync, embedded.stop)
+            url = embedded.url
             log.info("embedded Redis at %s (data in %s)", url, settings.redis_dir())
         store = await Store.connect(
             url, prefix=settings.key_prefix, session_ttl_s=settings.session_ttl_s
@@ -130,19 +134,6 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         services.metrics.sample_tiers_with(lambda: tier_usage(engine.cache_stats()))
         yield services
         services.engine_started = False
-
-
-async def _start_embedded(embedded: Any) -> str:
-    result = embedded.start()
-    if hasattr(result, "__await__"):
-        result = await result
-    return embedded.url if isinstance(getattr(embedded, "url", None), str) else result
-
-
-async def _stop_embedded(embedded: Any) -> None:
-    result = embedded.stop()
-    if hasattr(result, "__await__"):
-        await result
 
 
 def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:

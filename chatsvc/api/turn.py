@@ -121,7 +121,7 @@ async def _prepare(services, tenant, session_id, text, sampling, requested) -> P
     labels = {"tenant": tenant.id}
     if session.system_prompt_id is not None:
         labels["system_prompt"] = session.system_prompt_id
-    if not reused:
+    if not reused and session.token_ids:
         services.usage.record_lost_reuse(labels)
     request = GenerationRequest(
         request_id=gen.new_request_id("turn"),
