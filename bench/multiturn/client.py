@@ -144,6 +144,22 @@ async def _run_conversation(
             messages.append({"role": "assistant", "content": record.answer})
 
 
+async def warm_up(
+    base_url: str, model: str | None = None, headers: dict[str, str] | None = None
+) -> RequestRecord:
+    """One short request before measuring, so lazy initialisation (first-batch setup,
+    compilation) is not charged to the first turn. Its text shares no block-sized prefix
+    with any workload prompt, so it cannot warm the prefix cache for the run."""
+    messages = [
+        {"role": "system", "content": "Warm-up request."},
+        {"role": "user", "content": "Say hello."},
+    ]
+    record = RequestRecord("warm-up", "warm-up", 0, 0.0, max_tokens=4)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers or {}, timeout=600.0) as http:
+        await stream_chat(http, messages, record, model, time.perf_counter())
+    return record
+
+
 async def run_workload(
     base_url: str,
     workload: Workload,
@@ -152,9 +168,11 @@ async def run_workload(
     model: str | None = None,
     headers: dict[str, str] | None = None,
     request_timeout_s: float = 600.0,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> RunResult:
     """Run every conversation of ``workload`` against ``base_url``, at most ``concurrency``
-    conversations at a time (a user holds a slot through their think times)."""
+    conversations at a time (a user holds a slot through their think times).
+    ``transport`` replaces the network (tests)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     result = RunResult(system)
@@ -165,6 +183,7 @@ async def run_workload(
         headers=headers or {},
         timeout=httpx.Timeout(request_timeout_s, connect=10.0),
         limits=limits,
+        transport=transport,
     ) as http:
         t0 = time.perf_counter()
         await asyncio.gather(

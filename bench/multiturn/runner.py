@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.multiturn.client import RunResult, run_workload
+from bench.multiturn.client import RunResult, run_workload, warm_up
 from bench.multiturn.memory import AdminSampler, static_allocation, summarize_admin
 from bench.multiturn.servers import RunningServer, start_server
 from bench.multiturn.trace import ideal_for_records
@@ -43,6 +43,7 @@ def resolve_model_dir(model_dir: str | None) -> Path:
 
 
 async def _drive(server: RunningServer, workload: Workload, options: RunOptions):
+    await warm_up(server.base_url, server.spec.model, server.spec.headers)
     sampler = None
     stop = asyncio.Event()
     tasks = []
