@@ -53,6 +53,11 @@ def redacted(url: str) -> str:
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
 
 
+def is_transport_error(exc: BaseException | None) -> bool:
+    """True if ``exc`` means the server is unreachable (not a command error)."""
+    return isinstance(exc, _TRANSPORT_ERRORS)
+
+
 @contextlib.contextmanager
 def unavailable_on_failure(url: str) -> Iterator[None]:
     """Re-raise transport failures inside the block as ``StoreUnavailableError``."""

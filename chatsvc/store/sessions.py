@@ -19,9 +19,16 @@ import redis.asyncio as aredis
 import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
-from chatsvc.store.connection import unavailable_on_failure
-from chatsvc.store.errors import NotFoundError, StoreError
+from chatsvc.store.connection import is_transport_error, unavailable_on_failure
+from chatsvc.store.errors import NotFoundError, StoreError, StoreUnavailableError
 from chatsvc.store.keys import Keys, check_id
+from chatsvc.store.listing import (
+    MAX_LIST_LIMIT,
+    decode_cursor,
+    encode_cursor,
+    get_many,
+    index_after,
+)
 from chatsvc.store.records import (
     MessageRecord,
     SessionRecord,
@@ -32,28 +39,9 @@ from chatsvc.store.records import (
     now,
 )
 
-MAX_LIST_LIMIT = 1000
 # A WATCH conflict means another writer touched the session between our read
 # and EXEC; with the turn lock held that is rare, so a few retries are plenty.
 MAX_WATCH_RETRIES = 8
-
-
-def _encode_cursor(score: float, session_id: str) -> str:
-    return f"{score!r}:{session_id}"
-
-
-def _decode_cursor(cursor: str) -> tuple[float, str]:
-    score_text, sep, session_id = (
-        cursor.rpartition(":") if isinstance(cursor, str) else ("", "", "")
-    )
-    try:
-        score = float(score_text)
-        check_id("session", session_id)
-    except ValueError:
-        score = math.nan
-    if not sep or math.isnan(score):
-        raise ValueError(f"malformed cursor: {cursor!r}")
-    return score, session_id
 
 
 class SessionStore:
@@ -203,7 +191,7 @@ class SessionStore:
         check_id("tenant", tenant_id)
         if not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_LIMIT:
             raise ValueError(f"limit must be an int in [1, {MAX_LIST_LIMIT}], got {limit!r}")
-        score, after = (math.inf, None) if cursor is None else _decode_cursor(cursor)
+        score, after = (math.inf, None) if cursor is None else decode_cursor(cursor)
         index = self.keys.tenant_sessions(tenant_id)
         page: list[SessionRecord] = []
         expired: list[str] = []
@@ -211,10 +199,10 @@ class SessionStore:
         with self._unavailable():
             while len(page) < limit and not exhausted:
                 wanted = limit - len(page)
-                candidates = await self._index_after(index, score, after, wanted + 1)
+                candidates = await index_after(self.redis, index, score, after, wanted + 1)
                 exhausted = len(candidates) <= wanted
                 batch = candidates[:wanted]
-                raws = await self._get_many([self.keys.session(sid) for sid, _ in batch])
+                raws = await get_many(self.redis, [self.keys.session(sid) for sid, _ in batch])
                 for (sid, sid_score), raw in zip(batch, raws, strict=True):
                     score, after = sid_score, sid
                     session = self._owned(raw, tenant_id)
@@ -224,43 +212,7 @@ class SessionStore:
                         page.append(session)
             if expired:
                 await self.redis.zrem(index, *expired)
-        return page, None if exhausted else _encode_cursor(score, after)
-
-    async def _index_after(
-        self, index: str, score: float, after: str | None, count: int
-    ) -> list[tuple[str, float]]:
-        """Up to ``count`` index entries strictly after (score, after) in listing order.
-
-        Listing order is score descending, then id descending (ZRANGE REV order).
-        Entries tied with the cursor's score that come at or before it are
-        fetched too and skipped here; ties on a float timestamp are rare.
-        """
-        max_score = "+inf" if math.isinf(score) else repr(score)
-        ties = 0 if after is None else await self.redis.zcount(index, max_score, max_score)
-        rows = await self.redis.zrange(
-            index,
-            max_score,
-            "-inf",
-            desc=True,
-            byscore=True,
-            offset=0,
-            num=count + ties,
-            withscores=True,
-        )
-        entries = [(member.decode(), member_score) for member, member_score in rows]
-        if after is not None:
-            entries = [(m, s) for m, s in entries if s < score or m < after]
-        return entries[:count]
-
-    async def _get_many(self, keys: list[str]) -> list[bytes | None]:
-        # A pipeline of GETs rather than MGET: the keys live in different
-        # cluster slots (one hash tag per session).
-        if not keys:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.get(key)
-            return await pipe.execute()
+        return page, None if exhausted else encode_cursor(score, after)
 
     async def delete_session(self, tenant_id: str, session_id: str) -> bool:
         """Remove every key of the session and its index entry; False if not visible."""
@@ -279,9 +231,9 @@ class SessionStore:
                     try:
                         await pipe.execute()
                         return True
-                    except rexc.WatchError:
-                        continue
-        raise StoreError(f"session {session_id!r} kept changing during delete; try again")
+                    except rexc.WatchError as exc:
+                        conflict = exc
+        raise self._gave_up(session_id, "delete", conflict)
 
     async def append_turn(
         self,
@@ -330,9 +282,19 @@ class SessionStore:
                     try:
                         await pipe.execute()
                         return updated
-                    except rexc.WatchError:
-                        continue
-        raise StoreError(f"session {session_id!r} kept changing during append; try again")
+                    except rexc.WatchError as exc:
+                        conflict = exc
+        raise self._gave_up(session_id, "append", conflict)
+
+    def _gave_up(self, session_id: str, action: str, conflict: rexc.WatchError) -> StoreError:
+        # redis-py turns a connection lost while WATCHing into a WatchError
+        # raised from the transport error; that is an outage, not contention.
+        if is_transport_error(conflict.__context__):
+            return StoreUnavailableError(
+                f"lost the connection to redis during {action} of session {session_id!r}; "
+                "nothing was written"
+            )
+        return StoreError(f"session {session_id!r} kept changing during {action}; try again")
 
     @staticmethod
     def _after_turn(
