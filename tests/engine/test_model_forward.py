@@ -1,0 +1,90 @@
+"""Our forward pass over the paged KV cache against transformers' LlamaForCausalLM (fp32)."""
+
+from __future__ import annotations
+
+import torch
+
+# Both sides are fp32 over the same weights; only summation order differs. Logits are
+# O(10), so 2e-3 absolute leaves room for that and still catches any real mistake
+# (a wrong position, head or block shifts logits by whole units).
+ATOL = 2e-3
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea. Waves roll in and out, the tide keeps",
+]
+
+
+def _hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        out = hf_model(torch.tensor([token_ids]))
+    return out.logits[0].float()  # [S, V]
+
+
+def _ids(loaded, text: str) -> list[int]:
+    return loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_prefill_then_decode_matches_transformers(smollm2_fp32, smollm2_hf_fp32, paged_driver):
+    driver = paged_driver(smollm2_fp32.model, block_size=4, seed=1)
+    prompts = {f"s{i}": _ids(smollm2_fp32, p) for i, p in enumerate(PROMPTS)}
+    full = {k: list(v) for k, v in prompts.items()}
+
+    logits = driver.step(prompts)  # both prompts in one flat prefill batch
+    assert logits.shape == (2, smollm2_fp32.config.vocab_size)
+    assert logits.dtype == torch.float32
+    for row, seq in enumerate(prompts):
+        expected = _hf_logits(smollm2_hf_fp32, full[seq])[-1]
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+
+    for _ in range(4):
+        nxt = {seq: [int(logits[row].argmax())] for row, seq in enumerate(full)}
+        for seq, tok in nxt.items():
+            full[seq] += tok
+        logits = driver.step(nxt)  # a pure decode step
+        for row, seq in enumerate(full):
+            expected = _hf_logits(smollm2_hf_fp32, full[seq])[-1]
+            torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+    # The shuffled allocator really produced non-contiguous tables.
+    table = driver.tables["s1"]
+    assert any(b - a != 1 for a, b in zip(table, table[1:], strict=False))
+
+
+def test_two_chunk_prefill_reads_first_chunk_through_cache(
+    smollm2_fp32, smollm2_hf_fp32, paged_driver
+):
+    driver = paged_driver(smollm2_fp32.model, block_size=8, seed=2)
+    tokens = _ids(smollm2_fp32, PROMPTS[1])
+    cut = 11  # not a block boundary: chunk 2 starts inside a partly filled block
+    first = driver.step({"s": tokens[:cut]})
+    second = driver.step({"s": tokens[cut:]})
+    expected = _hf_logits(smollm2_hf_fp32, tokens)
+    torch.testing.assert_close(first[0], expected[cut - 1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(second[0], expected[-1], atol=ATOL, rtol=0)
+
+
+def test_mixed_step_decode_and_prefill_together(smollm2_fp32, smollm2_hf_fp32, paged_driver):
+    driver = paged_driver(smollm2_fp32.model, block_size=4, seed=3)
+    a = _ids(smollm2_fp32, PROMPTS[0])
+    b = _ids(smollm2_fp32, PROMPTS[1])
+    driver.step({"a": a})
+    # One sequence decodes (1 token) while another prefills: the extend path, not decode.
+    logits = driver.step({"a": [a[-1]], "b": b})
+    torch.testing.assert_close(
+        logits[0], _hf_logits(smollm2_hf_fp32, a + [a[-1]])[-1], atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(logits[1], _hf_logits(smollm2_hf_fp32, b)[-1], atol=ATOL, rtol=0)
+
+
+def test_forward_rejects_a_pool_of_the_wrong_shape(smollm2_fp32, paged_driver):
+    from chatsvc.engine.forward_batch import ForwardBatch
+
+    model = smollm2_fp32.model
+    pool = torch.zeros(4, model.config.num_layers, 2, 16, model.config.num_kv_heads + 1, 64)
+    batch = ForwardBatch.from_lists([[1, 2]], [0], [[0, 1]], [[0]], block_size=16)
+    try:
+        model.forward(batch, pool)
+    except ValueError as exc:
+        assert "heads" in str(exc)
+    else:
+        raise AssertionError("a pool with the wrong head count was accepted")
