@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from chatsvc.store import Store, StoreUnavailableError
+from chatsvc.store.embedded import EmbeddedRedis, EmbeddedRedisError
+from tests.store.helpers import new_tenant, turn
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_store_unavailable_when_server_down_then_recovers(tmp_path):
+    server = EmbeddedRedis(tmp_path, appendfsync="always").start()
+    try:
+        store = await Store.connect(server.url, prefix="p", socket_timeout_s=0.5)
+        tenant = await new_tenant(store)
+        session = await store.create_session(tenant.id, None, "sys", [1], {})
+
+        server.stop()
+        with pytest.raises(StoreUnavailableError, match="unavailable"):
+            await store.get_session(tenant.id, session.id)
+        with pytest.raises(StoreUnavailableError):
+            await store.append_turn(tenant.id, session.id, *turn(1))
+        with pytest.raises(StoreUnavailableError):
+            async with store.turn_lock(tenant.id, session.id):
+                pass
+
+        server.start()  # same port, same data dir
+        assert (await store.get_session(tenant.id, session.id)).num_messages == 1
+        await store.append_turn(tenant.id, session.id, *turn(1))
+        assert len(await store.get_messages(tenant.id, session.id)) == 3
+        await store.close()
+    finally:
+        server.stop()
+
+
+async def test_frozen_server_times_out_instead_of_hanging(tmp_path):
+    with EmbeddedRedis(tmp_path) as server:
+        store = await Store.connect(server.url, prefix="p", socket_timeout_s=0.3)
+        tenant = await new_tenant(store)
+        # SIGSTOP: the kernel still accepts connections but nothing answers.
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailableError, match="Timeout"):
+                await store.get_tenant(tenant.id)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert await store.get_tenant(tenant.id) == tenant
+        await store.close()
+
+
+@pytest.mark.parametrize("restart", ["clean", "killed"])
+async def test_acknowledged_turns_survive_a_server_restart(tmp_path, restart):
+    server = EmbeddedRedis(tmp_path, appendfsync="always").start()
+    try:
+        store = await Store.connect(server.url, prefix="p", session_ttl_s=3600)
+        tenant = await new_tenant(store)
+        sessions = [await store.create_session(tenant.id, None, "sys", [1], {}) for _ in range(3)]
+        for n in range(10):
+            for session in sessions:
+                await store.append_turn(tenant.id, session.id, *turn(n))
+        before = {s.id: await store.get_messages(tenant.id, s.id) for s in sessions}
+        await store.close()
+
+        if restart == "clean":
+            server.stop()
+        else:
+            server.kill()  # SIGKILL: only what the AOF holds can come back
+        server.start()
+
+        store = await Store.connect(server.url, prefix="p", session_ttl_s=3600)
+        assert await store.tenant_by_api_key("nope-nope-nope-nope") is None
+        for session in sessions:
+            assert await store.get_messages(tenant.id, session.id) == before[session.id]
+            assert (await store.get_session(tenant.id, session.id)).num_messages == 21
+        listed, _ = await store.list_sessions(tenant.id)
+        assert {s.id for s in listed} == {s.id for s in sessions}
+        await store.close()
+    finally:
+        server.stop()
+    assert (tmp_path / "appendonlydir").is_dir()
+
+
+def test_two_servers_on_one_data_dir_fail_clearly(tmp_path):
+    with EmbeddedRedis(tmp_path) as first:
+        second = EmbeddedRedis(tmp_path)
+        with pytest.raises(EmbeddedRedisError, match=f"pid {os.getpid()}"):
+            second.start()
+        assert first.is_running() and not second.is_running()
+    # Once the first is stopped the dir is free again.
+    with EmbeddedRedis(tmp_path) as again:
+        assert again.is_running()
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="appendfsync"):
+        EmbeddedRedis(tmp_path, appendfsync="sometimes")
+    with pytest.raises(ValueError, match="port"):
+        EmbeddedRedis(tmp_path, port=70000)
+    with pytest.raises(EmbeddedRedisError, match="not been started"):
+        _ = EmbeddedRedis(tmp_path).url
+
+
+async def test_unix_socket_server(tmp_path):
+    with EmbeddedRedis(tmp_path / "data", unix_socket=tmp_path / "r.sock") as server:
+        assert server.url.startswith("unix://")
+        store = await Store.connect(server.url, prefix="p")
+        tenant = await new_tenant(store)
+        assert await store.get_tenant(tenant.id) == tenant
+        await store.close()
