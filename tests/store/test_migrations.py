@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import migrations.runner as runner
+from chatsvc.store import SchemaVersionError, Store
+from chatsvc.store.keys import Keys
+from chatsvc.store.records import (
+    SCHEMA_VERSION,
+    MessageRecord,
+    SessionRecord,
+    TenantRecord,
+    encode,
+)
+from migrations import m0002_session_index_zset
+from migrations.runner import Migration, migrate
+
+pytestmark = pytest.mark.anyio
+
+
+def test_schema_version_names_the_newest_migration():
+    versions = [m.version for m in runner.all_migrations()]
+    assert versions == list(range(1, len(versions) + 1))
+    assert SCHEMA_VERSION == versions[-1]
+
+
+async def test_fresh_keyspace_gets_every_migration_once(redis_server, prefix, raw):
+    assert await migrate(redis_server.url, prefix) == ["0001_initial", "0002_session_index_zset"]
+    assert await migrate(redis_server.url, prefix) == []
+    assert await raw.get(f"{prefix}:schema_version") == str(SCHEMA_VERSION).encode()
+    assert await raw.hget(f"{prefix}:meta", "layout") == b"2"
+
+
+async def _write_layout_1(raw, keys: Keys) -> tuple[TenantRecord, list[SessionRecord]]:
+    """Data as chatsvc wrote it at schema version 1: session index as a plain SET."""
+    tenant = TenantRecord(
+        id="t1", name="old", api_key_hash="0" * 64, cache_salt=b"s" * 32, created_at=1.0
+    )
+    await raw.set(keys.tenant(tenant.id), encode(tenant))
+    sessions = []
+    for n, updated_at in enumerate([30.0, 10.0, 20.0]):
+        session = SessionRecord(
+            id=f"s{n}",
+            tenant_id=tenant.id,
+            system_prompt_id=None,
+            metadata={"n": str(n)},
+            created_at=1.0,
+            updated_at=updated_at,
+            num_messages=1,
+            token_ids=[n],
+        )
+        message = MessageRecord(role="system", text=f"sys {n}", token_ids=[n], created_at=1.0)
+        await raw.set(keys.session(session.id), encode(session))
+        await raw.rpush(keys.session_messages(session.id), encode(message))
+        sessions.append(session)
+    # "gone" is in the index but its record expired long ago.
+    await raw.sadd(keys.tenant_sessions(tenant.id), "s0", "s1", "s2", "gone")
+    await raw.set(keys.schema_version(), 1)
+    return tenant, sessions
+
+
+async def test_layout_1_data_is_upgraded_and_readable_through_the_store(redis_server, prefix, raw):
+    keys = Keys(prefix)
+    tenant, sessions = await _write_layout_1(raw, keys)
+
+    store = await Store.connect(redis_server.url, prefix=prefix)
+    try:
+        assert await raw.type(keys.tenant_sessions(tenant.id)) == b"zset"
+        assert await raw.get(keys.schema_version()) == b"2"
+        listed, cursor = await store.list_sessions(tenant.id)
+        assert [s.id for s in listed] == ["s0", "s2", "s1"] and cursor is None
+        assert await raw.zscore(keys.tenant_sessions(tenant.id), "gone") is None
+        assert await store.get_session(tenant.id, "s1") == sessions[1]
+        messages = await store.get_messages(tenant.id, "s2")
+        assert [m.text for m in messages] == ["sys 2"]
+    finally:
+        await store.close()
+
+
+async def test_session_index_migration_is_idempotent(redis_server, prefix, raw):
+    keys = Keys(prefix)
+    tenant, _ = await _write_layout_1(raw, keys)
+    await m0002_session_index_zset.up(raw, keys)
+    once = await raw.zrange(keys.tenant_sessions(tenant.id), 0, -1, withscores=True)
+    await m0002_session_index_zset.up(raw, keys)
+    assert await raw.zrange(keys.tenant_sessions(tenant.id), 0, -1, withscores=True) == once
+    assert once == [(b"s1", 10.0), (b"s2", 20.0), (b"s0", 30.0)]
+    assert [k async for k in raw.scan_iter(match=f"{prefix}:*m0002*")] == []
+
+
+async def test_concurrent_runners_apply_each_migration_once(redis_server, prefix, monkeypatch):
+    runs: dict[int, int] = {}
+    real = runner.all_migrations()
+
+    def counted(migration: Migration) -> Migration:
+        async def up(client, keys):
+            runs[migration.version] = runs.get(migration.version, 0) + 1
+            # Slow enough that the other runner certainly arrives while we hold the lock.
+            await asyncio.sleep(0.2)
+            await migration.up(client, keys)
+
+        return Migration(migration.version, migration.name, up)
+
+    monkeypatch.setattr(runner, "all_migrations", lambda: tuple(counted(m) for m in real))
+    results = await asyncio.gather(*(migrate(redis_server.url, prefix) for _ in range(3)))
+    assert runs == {m.version: 1 for m in real}
+    assert sorted(len(r) for r in results) == [0, 0, len(real)]
+
+
+async def test_keyspace_newer_than_code_is_refused(redis_server, prefix, raw):
+    await raw.set(f"{prefix}:schema_version", SCHEMA_VERSION + 1)
+    with pytest.raises(SchemaVersionError, match="upgrade chatsvc"):
+        await Store.connect(redis_server.url, prefix=prefix)
