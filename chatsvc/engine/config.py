@@ -1,0 +1,101 @@
+"""Engine configuration: one frozen dataclass, validated, readable from CHATSVC_* variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "CHATSVC_"
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to serve and how much memory and batch room to give it.
+
+    KV pool size: ``num_gpu_blocks`` when set, else ``kv_cache_bytes`` divided by the
+    bytes of one block (all layers, K and V). ``num_host_blocks`` > 0 adds the host
+    tier that evicted prefix blocks move to. ``max_model_len`` caps the context
+    (default: the model's own limit). ``debug_checks`` runs the cache's integrity
+    checker after every mutation (slow; for tests).
+    """
+
+    model: str = "smollm2"
+    dtype: str | None = None  # "bf16" | "fp16" | "fp32"; None: bf16 where native, else fp32
+    device: str = "cpu"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    num_host_blocks: int = 0
+    enable_prefix_cache: bool = True
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_wait_steps: int = 64
+    debug_checks: bool = False
+    seed: int = 0  # random-weights models only
+
+    def validate(self) -> EngineConfig:
+        """Raise ValueError on the first bad value; returns self."""
+        if not self.model:
+            raise ValueError("model must name a model spec")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_wait_steps < 1:
+            raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
+        return self
+
+    def num_blocks_for(self, block_bytes: int) -> int:
+        """Device blocks of the KV pool, given one block's size in bytes."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        num_blocks = self.kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={self.kv_cache_bytes} holds no block of {block_bytes} bytes"
+            )
+        return num_blocks
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> EngineConfig:
+        """Read ``CHATSVC_<FIELD>`` (e.g. CHATSVC_NUM_GPU_BLOCKS); unset fields keep defaults.
+
+        Raises ValueError naming the variable on a value that does not parse.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            name = ENV_PREFIX + f.name.upper()
+            raw = env.get(name)
+            if raw is None or not raw.strip():
+                continue
+            values[f.name] = _parse(name, raw.strip(), cls.__dataclass_fields__[f.name].type)
+        values.update(overrides)
+        return cls(**values).validate()
+
+
+def _parse(name: str, raw: str, annotation: str) -> object:
+    try:
+        if annotation.startswith("bool"):
+            lowered = raw.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if annotation.startswith("int"):
+            return int(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {annotation.split(' ')[0]}") from None

@@ -1,0 +1,296 @@
+"""LLMEngine: the synchronous engine loop (add requests, step, collect deltas).
+
+One ``step()`` = schedule -> run cache plans and the model -> sample -> stop
+checks -> deltas. Not thread-safe: one thread owns it (AsyncEngine's loop).
+
+n > 1: a request starts as one sequence; when its prompt is computed, n - 1
+children are forked from it (``cache.fork``: every prompt block shared,
+refcount + 1, the partial last block copied on first write) and each sample
+draws its first token from the same logits with its own seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cache import KVCacheManager
+from chatsvc.engine.chat_format import ChatFormat
+from chatsvc.engine.config import EngineConfig
+from chatsvc.engine.detokenizer import IncrementalDetokenizer
+from chatsvc.engine.errors import RequestTooLargeError
+from chatsvc.engine.loader import LoadedModel, load_model
+from chatsvc.engine.request import (
+    FinishReason,
+    GenerationDelta,
+    GenerationRequest,
+    RequestMetrics,
+)
+from chatsvc.engine.runner import ModelRunner
+from chatsvc.engine.sampling import make_generator, sample
+from chatsvc.engine.scheduler import Scheduler, SchedulerConfig
+from chatsvc.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One delta for a request, or the error that ended it (then ``delta`` is None)."""
+
+    request_id: str
+    delta: GenerationDelta | None
+    error: Exception | None = None
+
+
+@dataclass
+class _RequestState:
+    request: GenerationRequest
+    seqs: list[Sequence] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
+    num_unfinished: int = 1
+
+    @property
+    def needs_fork(self) -> bool:
+        return len(self.seqs) < self.request.sampling.n
+
+
+class LLMEngine:
+    """Synchronous engine over one model, one KV cache and one scheduler."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config.validate()
+        if loaded is None:
+            loaded = load_model(
+                config.model, config.dtype, config.device, config.max_model_len, config.seed
+            )
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.chat_format = ChatFormat(loaded.tokenizer)
+        self.model_name = loaded.name
+        limit = config.max_model_len or loaded.config.max_context_len
+        self.max_context_len = min(limit, self.model.max_positions)
+        shape = self.model.kv_shape(config.block_size)
+        self.num_gpu_blocks = config.num_blocks_for(shape.block_bytes(self.model.dtype))
+        self.cache = KVCacheManager(
+            self.num_gpu_blocks,
+            config.block_size,
+            num_host_blocks=config.num_host_blocks,
+            enable_prefix_cache=config.enable_prefix_cache,
+            debug_checks=config.debug_checks,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            config.block_size,
+            SchedulerConfig(
+                config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps
+            ),
+        )
+        self.runner = ModelRunner(
+            self.model, config.block_size, self.num_gpu_blocks, config.num_host_blocks
+        )
+        self.default_stop_ids = frozenset(self.chat_format.stop_token_ids) | frozenset(
+            loaded.config.eos_token_ids
+        )
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request. Raises ValueError (RequestTooLargeError when it can never fit)."""
+        request.validate(self.loaded.config.vocab_size)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt >= self.max_context_len:
+            raise RequestTooLargeError(
+                f"the prompt has {num_prompt} tokens; the context holds {self.max_context_len} "
+                "including at least one generated token"
+            )
+        longest = min(num_prompt + request.sampling.max_tokens, self.max_context_len)
+        num_blocks = math.ceil(longest / self.config.block_size)
+        if num_blocks > self.num_gpu_blocks:
+            raise RequestTooLargeError(
+                f"prompt + max_tokens = {longest} tokens need {num_blocks} KV blocks; "
+                f"the pool has {self.num_gpu_blocks}"
+            )
+        state = _RequestState(
+            request,
+            stop_token_ids=self.default_stop_ids | frozenset(request.sampling.stop_token_ids),
+            num_unfinished=request.sampling.n,
+        )
+        seq = self._new_sequence(request, 0)
+        state.seqs.append(seq)
+        self._requests[request.request_id] = state
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> list[StepOutput]:
+        """Stop a request now and free its blocks; returns its final ``abort`` deltas.
+
+        An unknown (or already finished) id returns an empty list.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return []
+        outputs = []
+        now = time.perf_counter()
+        for seq in state.seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.remove(seq)
+            self._finish(seq, "abort")
+            delta = GenerationDelta(seq.sample_index, [], "", "abort", self._metrics(seq, now))
+            outputs.append(StepOutput(request_id, delta))
+        return outputs
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the loop -----------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduler step; returns the deltas (and errors) it produced.
+
+        An exception from the cache plans or the model fails the requests of this
+        step (their blocks are freed) and is reported, not raised.
+        """
+        out = self.scheduler.schedule()
+        outputs: list[StepOutput] = []
+        for seq, error in out.failed:
+            outputs.extend(self._fail_request(seq.request.request_id, error))
+        try:
+            completing, logits = self.runner.execute(out, self.cache)
+        except Exception as error:  # noqa: BLE001 - reported to the affected callers
+            for request_id in dict.fromkeys(s.seq.request.request_id for s in out.scheduled):
+                outputs.extend(self._fail_request(request_id, error))
+            return outputs
+        if completing:
+            outputs.extend(self._sample_and_stop([s.seq for s in completing], logits))
+        return outputs
+
+    def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        for row, seq in enumerate(seqs):
+            rows.append(row)
+            targets.append(seq)
+            state = self._requests[seq.request.request_id]
+            if seq.sample_index == 0 and state.needs_fork:
+                for child in self._fork_children(state, seq):
+                    rows.append(row)
+                    targets.append(child)
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        tokens = sample(logits, [s.sampling for s in targets], [s.generator for s in targets])
+        now = time.perf_counter()
+        outputs = []
+        for seq, token in zip(targets, tokens, strict=True):
+            outputs.append(self._append_token(seq, token, now))
+        return outputs
+
+    def _fork_children(self, state: _RequestState, parent: Sequence) -> list[Sequence]:
+        children = []
+        for index in range(len(state.seqs), state.request.sampling.n):
+            child = self._new_sequence(state.request, index)
+            self.cache.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.arrival_time = parent.arrival_time
+            self.scheduler.add_forked(child)
+            state.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> StepOutput:
+        state = self._requests[seq.request.request_id]
+        seq.append_token(token, now)
+        reason: FinishReason | None = None
+        if token in state.stop_token_ids:
+            reason, text = "stop", ""
+        else:
+            text = seq.detokenizer.add_token(token)
+            if seq.detokenizer.stopped_by is not None:
+                reason = "stop"
+            elif len(seq.output_token_ids) >= seq.sampling.max_tokens:
+                reason = "length"
+            elif seq.num_tokens >= self.max_context_len:
+                reason = "length"
+        metrics = None
+        if reason is not None:
+            text += seq.detokenizer.flush()
+            self.scheduler.remove(seq)
+            self._finish(seq, reason)
+            metrics = self._metrics(seq, now)
+        return StepOutput(
+            seq.request.request_id,
+            GenerationDelta(seq.sample_index, [token], text, reason, metrics),
+        )
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        state = self._requests.get(seq.request.request_id)
+        if state is None:
+            return
+        state.num_unfinished -= 1
+        if state.num_unfinished == 0:
+            del self._requests[seq.request.request_id]
+
+    def _fail_request(self, request_id: str, error: Exception) -> list[StepOutput]:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return []
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+        return [StepOutput(request_id, None, error)]
+
+    def _new_sequence(self, request: GenerationRequest, index: int) -> Sequence:
+        params = request.sampling
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            request=request,
+            sample_index=index,
+            prompt_token_ids=list(request.prompt_token_ids),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop
+            ),
+            generator=None if params.is_greedy else make_generator(params.sample_seed(index)),
+        )
+
+    @staticmethod
+    def _metrics(seq: Sequence, now: float) -> RequestMetrics:
+        first = seq.first_token_time
+        num_out = len(seq.output_token_ids)
+        tpot = 0.0
+        if first is not None and num_out > 1 and seq.last_token_time is not None:
+            tpot = (seq.last_token_time - first) / (num_out - 1)
+        return RequestMetrics(
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_prompt_tokens=seq.num_cached_tokens,
+            completion_tokens=num_out,
+            ttft_s=(first - seq.arrival_time) if first is not None else 0.0,
+            tpot_s=tpot,
+            latency_s=now - seq.arrival_time,
+        )
+
+    # -- introspection ------------------------------------------------------------
+
+    def cache_stats(self) -> dict:
+        snapshot = self.cache.stats_snapshot()
+        snapshot["num_preemptions"] = self.scheduler.num_preemptions
+        snapshot["block_size"] = self.config.block_size
+        return snapshot
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
