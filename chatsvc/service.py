@@ -137,9 +137,14 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
 
 
 def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(used, total) blocks per tier out of ``engine.cache_stats()``."""
-    tiers = stats.get("tiers", {})
-    return {
-        name: (int(tier.get("used_blocks", 0)), int(tier.get("total_blocks", 0)))
-        for name, tier in tiers.items()
-    }
+    """(occupied, total) blocks per tier out of ``engine.cache_stats()``.
+
+    A device block is occupied when referenced or holding cached data (not free).
+    """
+    usage = {}
+    for tier in ("device", "host"):
+        info = stats.get(tier)
+        if isinstance(info, dict) and "total" in info:
+            total = int(info["total"])
+            usage[tier] = (total - int(info.get("free", total)), total)
+    return usage

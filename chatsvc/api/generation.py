@@ -11,7 +11,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from chatsvc.api.errors import ContextLengthError, InvalidRequestError, RateLimitError
+from chatsvc.api.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
 from chatsvc.service import Services
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
 
@@ -159,10 +164,21 @@ def new_request_id(kind: str) -> str:
 
 
 async def generate(services: Services, request) -> AsyncIterator:
-    """The engine's deltas for ``request``; leaving early aborts it and frees its blocks."""
-    async with aclosing(services.engine.generate(request)) as deltas:
-        async for delta in deltas:
-            yield delta
+    """The engine's deltas for ``request``; leaving early aborts it and frees its blocks.
+
+    The engine's refusals become API errors: too large for the context or the
+    KV pool -> 400 context_length_exceeded; stopped -> 503.
+    """
+    from chatsvc.engine.errors import EngineStoppedError, RequestTooLargeError
+
+    try:
+        async with aclosing(services.engine.generate(request)) as deltas:
+            async for delta in deltas:
+                yield delta
+    except RequestTooLargeError as exc:
+        raise ContextLengthError(str(exc)) from None
+    except EngineStoppedError as exc:
+        raise ServiceUnavailableError(f"the engine is not running: {exc}") from None
 
 
 def record_finished(services: Services, endpoint: str, labels: dict[str, str], samples) -> None:

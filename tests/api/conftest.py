@@ -1,0 +1,116 @@
+"""One live API server for the whole API suite: real model, real Redis, real HTTP.
+
+Two tenants (acme, globex) and an admin key. Tests create their own sessions
+and use unique texts, so they do not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+import redis
+
+from chatsvc.config import Limits, Settings
+from tests.api.live_server import ThreadServer
+from tests.redis_server import unique_prefix
+
+ACME_KEY = "acme-secret-key-0001"
+GLOBEX_KEY = "globex-secret-key-0002"
+ADMIN_KEY = "admin-secret-key-0003"
+BLOCK_SIZE = 16
+# Small enough that a test can overflow it with a message under the char limit.
+MAX_MODEL_LEN = 1024
+
+
+def engine_config():
+    from chatsvc.engine import EngineConfig
+
+    return EngineConfig(
+        model="smollm2",
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=512,
+        num_host_blocks=64,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+    )
+
+
+TEST_LIMITS = Limits(
+    max_body_bytes=64_000,
+    max_message_chars=8_000,
+    max_tokens_cap=64,
+    max_n=4,
+    max_sessions_per_tenant=1_000,
+    max_streams_per_tenant=4,
+)
+
+
+@pytest.fixture(scope="session")
+def api(redis_server):
+    settings = Settings(
+        redis_url=redis_server.url,
+        key_prefix=unique_prefix("api"),
+        admin_key=ADMIN_KEY,
+        api_keys=(("acme", ACME_KEY), ("globex", GLOBEX_KEY)),
+        limits=TEST_LIMITS,
+        engine=engine_config(),
+    )
+    from chatsvc.api.app import create_app
+
+    with ThreadServer(create_app(settings)) as server:
+        yield server
+
+
+def client(api, key: str | None) -> httpx.Client:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.Client(base_url=api.url, headers=headers, timeout=300)
+
+
+@pytest.fixture
+def acme(api):
+    with client(api, ACME_KEY) as http:
+        yield http
+
+
+@pytest.fixture
+def globex(api):
+    with client(api, GLOBEX_KEY) as http:
+        yield http
+
+
+@pytest.fixture
+def admin(api):
+    with client(api, ADMIN_KEY) as http:
+        yield http
+
+
+@pytest.fixture
+def raw_redis(redis_server):
+    with redis.Redis.from_url(redis_server.url) as r:
+        yield r
+
+
+def keyspace(raw_redis, prefix: str) -> dict[bytes, bytes]:
+    """Every key under ``prefix`` with its serialized value (DUMP): a full snapshot."""
+    return {key: raw_redis.dump(key) for key in raw_redis.scan_iter(match=f"{prefix}:*")}
+
+
+def unique(text: str) -> str:
+    """``text`` tagged so no other test (or earlier run) has sent the same tokens."""
+    return f"[{uuid.uuid4().hex[:8]}] {text}"
+
+
+def new_session(http: httpx.Client, **body) -> dict:
+    response = http.post("/sessions", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def say(http: httpx.Client, session_id: str, text: str, **options) -> dict:
+    body = {"content": text, "max_tokens": 8, "temperature": 0, **options}
+    response = http.post(f"/sessions/{session_id}/messages", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
