@@ -1,0 +1,152 @@
+"""Paged-attention and KV-cache kernels: Triton on CUDA, torch reference on CPU.
+
+Public API (signatures fixed in docs/contracts.md)::
+
+    write_kv(k_cache, v_cache, key, value, slot_mapping)
+    paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> out
+    paged_extend_attention(query, k_cache, v_cache, block_tables, query_start_loc,
+                           context_lens, scale) -> out
+    copy_blocks(src_pool, dst_pool, pairs)
+
+Every function also takes, by keyword:
+
+- ``backend``: ``"auto"`` (Triton when the tensors are on CUDA, the torch
+  reference otherwise), ``"torch"`` or ``"triton"`` (on CPU tensors: Triton's
+  interpreter, for tests). ``CHATSVC_KERNEL_BACKEND`` sets the default.
+- ``check_bounds``: value-range checks of the index tensors (block ids, slots,
+  context lengths); on by default. They read the index tensors, which is a
+  host sync on CUDA, so a hot path fed by the trusted cache manager may turn
+  them off. Shape, dtype and device checks always run.
+
+Bad input raises ``ValueError`` before any memory is touched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import resolve_backend
+from kernels.copy_blocks import check_copy_blocks, copy_blocks_torch, copy_blocks_triton
+from kernels.decode_attention import (
+    check_decode,
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+)
+from kernels.extend_attention import (
+    check_extend,
+    paged_extend_attention_torch,
+    paged_extend_attention_triton,
+)
+from kernels.write_kv import check_write_kv, write_kv_torch, write_kv_triton
+
+__all__ = ["copy_blocks", "paged_decode_attention", "paged_extend_attention", "write_kv"]
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | None = None,
+    check_bounds: bool = True,
+) -> None:
+    """Store ``key``/``value`` ``[T, H_kv, D]`` into slots ``slot_mapping [T]`` (-1 = skip).
+
+    ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, H_kv, D]``
+    views of the pool, written in place. Slots must be distinct.
+    """
+    check_write_kv(k_cache, v_cache, key, value, slot_mapping, check_bounds)
+    if resolve_backend(backend, k_cache.device) == "triton":
+        write_kv_triton(k_cache, v_cache, key, value, slot_mapping)
+    else:
+        write_kv_torch(k_cache, v_cache, key, value, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+    check_bounds: bool = True,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    query ``[B, H_q, D]``; block_tables ``[B, max_blocks]``; context_lens ``[B]``
+    (tokens of each sequence including the new one, whose K/V is already
+    written); returns ``[B, H_q, D]`` in the query's dtype. ``partition_size``
+    forces the Triton split-context path (tokens per program).
+    """
+    check_decode(query, k_cache, v_cache, block_tables, context_lens, scale, check_bounds)
+    if resolve_backend(backend, query.device) == "triton":
+        return paged_decode_attention_triton(
+            query, k_cache, v_cache, block_tables, context_lens, scale, partition_size
+        )
+    return paged_decode_attention_torch(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_extend_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+    check_bounds: bool = True,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of new-token chunks over their cached prefix and themselves.
+
+    query ``[T, H_q, D]`` holds the new tokens of B sequences, sequence b in rows
+    ``query_start_loc[b]:query_start_loc[b + 1]``; context_lens ``[B]`` counts each
+    sequence's tokens including the new ones (already written). Returns
+    ``[T, H_q, D]``. ``max_query_len`` spares the Triton path a host sync.
+    """
+    check_extend(
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, check_bounds
+    )
+    if resolve_backend(backend, query.device) == "triton":
+        return paged_extend_attention_triton(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            max_query_len,
+        )
+    return paged_extend_attention_torch(
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    )
+
+
+def copy_blocks(
+    src_pool: torch.Tensor,
+    dst_pool: torch.Tensor,
+    pairs: torch.Tensor,
+    *,
+    backend: str | None = None,
+    check_bounds: bool = True,
+) -> None:
+    """Copy whole blocks: ``dst_pool[d] = src_pool[s]`` for each ``(s, d)`` in ``pairs [N, 2]``.
+
+    Pools are whole tiers ``[num_blocks, ...]`` (``src_pool`` may be ``dst_pool``:
+    copy-on-write). Pools on two devices (tier swaps) always take the torch path
+    (asynchronous block copies); see ``kernels.copy_blocks``.
+    """
+    check_copy_blocks(src_pool, dst_pool, pairs, check_bounds)
+    same_device = src_pool.device == dst_pool.device
+    if same_device and resolve_backend(backend, src_pool.device) == "triton":
+        copy_blocks_triton(src_pool, dst_pool, pairs)
+    else:
+        copy_blocks_torch(src_pool, dst_pool, pairs)

@@ -1,0 +1,44 @@
+"""Backend selection: Triton on CUDA, the torch reference on CPU.
+
+``backend`` is one of ``"auto"`` (default), ``"torch"`` or ``"triton"``. The
+environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default of
+``"auto"`` for callers that pass nothing (an explicit argument wins).
+
+``"triton"`` with CPU tensors runs the kernels in Triton's interpreter, which
+``triton`` only enables when ``TRITON_INTERPRET=1`` is set before it is first
+imported (the decorator and Triton's own library functions are bound then).
+Tests therefore run the Triton comparisons in a subprocess with that variable
+set, and every other caller in the process keeps the torch path on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+ENV_VAR = "CHATSVC_KERNEL_BACKEND"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Return ``"torch"`` or ``"triton"`` for tensors on ``device``."""
+    choice = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if choice == "triton" and device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the triton backend runs on CUDA (or CPU, interpreted), not {device}")
+    return choice
+
+
+def runnable(kernel: Any, device: torch.device) -> Any:
+    """The launchable ``@triton.jit`` kernel for tensors on ``device``."""
+    if device.type == "cuda" or type(kernel).__name__ == "InterpretedFunction":
+        return kernel
+    raise ValueError(
+        f"Triton kernels cannot run on {device} tensors unless TRITON_INTERPRET=1 was set "
+        "before triton was imported; use backend='torch' (the default on CPU)"
+    )

@@ -1,0 +1,149 @@
+"""KV write: scatter the K/V rows of new tokens into their cache slots.
+
+A slot is ``block * block_size + offset``; ``-1`` marks a token whose K/V is
+not stored (padding). The caches are one layer's strided views of the pool
+(``kv_layout.layer_views``), written in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import runnable
+from kernels.validate import check_index, check_kv_caches
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    DIM_P2: tl.constexpr,
+    LOG2_BLOCK: tl.constexpr,
+):
+    # One program per token: its [H_kv, D] row goes to one slot.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    block = slot >> LOG2_BLOCK
+    offset = slot & ((1 << LOG2_BLOCK) - 1)
+    heads = tl.arange(0, HEADS_P2)
+    dims = tl.arange(0, DIM_P2)
+    # A skipped token (slot -1) gets zero live heads. (Folding the scalar
+    # predicate into the bound keeps the mask a vector compare, which the
+    # interpreter also handles; a scalar `&` there yields an int32 mask.)
+    num_live_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    mask = (heads[:, None] < num_live_heads) & (dims[None, :] < HEAD_DIM)
+    k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def check_write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    check_bounds: bool = True,
+) -> None:
+    """Raise ``ValueError`` unless the arguments of ``write_kv`` are consistent."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_caches(k_cache, v_cache)
+    if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"key must be [T, {num_kv_heads}, {head_dim}], got shape {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != k_cache.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != KV cache dtype {k_cache.dtype}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} on {t.device} but the KV cache on {k_cache.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"the head_dim axis of {name} must be contiguous")
+    check_index("slot_mapping", slot_mapping, 1, k_cache.device)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
+        )
+    if not check_bounds or slot_mapping.numel() == 0:
+        return
+    slots = slot_mapping.long()
+    limit = num_blocks * block_size
+    bad = (slots < -1) | (slots >= limit)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"slot_mapping[{i}] = {int(slots[i])} is outside [-1, {limit})")
+    valid = slots[slots >= 0]
+    if valid.numel() != torch.unique(valid).numel():
+        raise ValueError("slot_mapping writes the same slot twice")
+
+
+def write_kv_torch(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference: indexed assignment through (block, offset) pairs, in place."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
+
+
+def write_kv_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch ``write_kv_kernel``: one program per token (inputs already checked)."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    kernel = runnable(write_kv_kernel, key.device)
+    kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        DIM_P2=triton.next_power_of_2(head_dim),
+        LOG2_BLOCK=block_size.bit_length() - 1,
+    )
