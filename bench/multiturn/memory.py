@@ -60,45 +60,54 @@ def _find(tree: object, names: Sequence[str]) -> float | None:
     return None
 
 
-# Field names ours reports in /admin/cache (see chatsvc/api admin controller).
+# Field names of ours' /admin/cache: {"engine": {"device": {"used": <blocks referenced by
+# live sequences>, ...}, "block_size"?: int, "used_token_slots"?: int}, ...}. Slot-level
+# usage is optional: the summary reports what the server gives.
 ALLOCATED_SLOT_KEYS = ("allocated_token_slots", "allocated_slots")
-USED_SLOT_KEYS = ("used_token_slots", "used_slots", "live_tokens")
-ALLOCATED_BLOCK_KEYS = ("allocated_blocks", "num_allocated_blocks")
+USED_SLOT_KEYS = ("used_token_slots", "used_slots")
 BLOCK_SIZE_KEYS = ("block_size",)
 
 
-def slots_from_admin(body: dict) -> tuple[float, float] | None:
-    """(allocated token slots, used token slots) from one /admin/cache answer, or None when
-    it does not report them."""
-    used = _find(body, USED_SLOT_KEYS)
+def slots_from_admin(body: dict, block_size: int = 16) -> tuple[float, float | None] | None:
+    """(allocated token slots, used token slots or None) from one /admin/cache answer, or
+    None when it reports no allocation. Allocated = blocks referenced by live sequences x
+    block size (cached, unreferenced blocks are a cache, not an allocation)."""
     allocated = _find(body, ALLOCATED_SLOT_KEYS)
     if allocated is None:
-        blocks, block_size = _find(body, ALLOCATED_BLOCK_KEYS), _find(body, BLOCK_SIZE_KEYS)
-        if blocks is not None and block_size is not None:
-            allocated = blocks * block_size
-    if used is None or allocated is None:
-        return None
-    return allocated, used
+        engine = body.get("engine", body) if isinstance(body, dict) else {}
+        device = engine.get("device") if isinstance(engine, dict) else None
+        blocks = device.get("used") if isinstance(device, dict) else None
+        if not isinstance(blocks, int | float) or isinstance(blocks, bool):
+            return None
+        allocated = blocks * (_find(body, BLOCK_SIZE_KEYS) or block_size)
+    return float(allocated), _find(body, USED_SLOT_KEYS)
 
 
 @dataclass(frozen=True)
 class MemorySummary:
+    """Means over the samples where anything was allocated (an idle server wastes
+    nothing). ``waste_pct`` is None when the server does not report used slots."""
+
     samples: int
     mean_allocated_slots: float
-    mean_used_slots: float
-    waste_pct: float
+    mean_used_slots: float | None
+    waste_pct: float | None
+    peak_allocated_slots: float = 0.0
 
 
-def summarize_admin(samples: Sequence[dict]) -> MemorySummary | None:
-    """Waste = 1 - sum(used) / sum(allocated) over the samples where anything was allocated
-    (an idle server wastes nothing)."""
-    pairs = [p for p in (slots_from_admin(s["body"]) for s in samples) if p and p[0] > 0]
+def summarize_admin(samples: Sequence[dict], block_size: int = 16) -> MemorySummary | None:
+    """Waste = 1 - sum(used) / sum(allocated) over the busy samples."""
+    pairs = [slots_from_admin(s["body"], block_size) for s in samples]
+    pairs = [p for p in pairs if p is not None and p[0] > 0]
     if not pairs:
         return None
     allocated = sum(a for a, _ in pairs)
+    peak = max(a for a, _ in pairs)
+    if any(u is None for _, u in pairs):
+        return MemorySummary(len(pairs), allocated / len(pairs), None, None, peak)
     used = sum(u for _, u in pairs)
     return MemorySummary(
-        len(pairs), allocated / len(pairs), used / len(pairs), 100.0 * (1 - used / allocated)
+        len(pairs), allocated / len(pairs), used / len(pairs), 100 * (1 - used / allocated), peak
     )
 
 
@@ -126,7 +135,7 @@ def static_allocation(
         return None
     start = min(r.sent_at for r in done)
     end = max(r.sent_at + r.latency_s for r in done)
-    used_sum = reserved_sum = 0.0
+    used_sum = reserved_sum = peak = 0.0
     counted = 0
     for i in range(num_points):
         t = start + (end - start) * (i + 0.5) / num_points
@@ -135,9 +144,14 @@ def static_allocation(
         if in_flight:
             used_sum += sum(held)
             reserved_sum += in_flight * max_len
+            peak = max(peak, in_flight * max_len)
             counted += 1
     if not counted:
         return None
     return MemorySummary(
-        counted, reserved_sum / counted, used_sum / counted, 100.0 * (1 - used_sum / reserved_sum)
+        counted,
+        reserved_sum / counted,
+        used_sum / counted,
+        100.0 * (1 - used_sum / reserved_sum),
+        peak,
     )

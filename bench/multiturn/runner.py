@@ -43,7 +43,7 @@ def resolve_model_dir(model_dir: str | None) -> Path:
 
 
 async def _drive(server: RunningServer, workload: Workload, options: RunOptions):
-    await warm_up(server.base_url, server.spec.model, server.spec.headers)
+    await warm_up(server.base_url, server.model, server.spec.headers)
     sampler = None
     stop = asyncio.Event()
     tasks = []
@@ -59,7 +59,7 @@ async def _drive(server: RunningServer, workload: Workload, options: RunOptions)
             workload,
             server.spec.name,
             options.concurrency,
-            model=server.spec.model,
+            model=server.model,
             headers=server.spec.headers,
         )
     finally:
@@ -98,7 +98,7 @@ def system_entry(
     entry["static_max_len"] = max_len
     entry["static_memory"] = asdict(static) if static else None
     if sampler is not None:
-        admin = summarize_admin(sampler.samples)
+        admin = summarize_admin(sampler.samples, options.block_size)
         entry["admin_memory"] = asdict(admin) if admin else None
         entry["admin_samples"] = sampler.samples
         entry["admin_errors"] = sampler.errors

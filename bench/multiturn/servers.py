@@ -13,6 +13,7 @@ a model (``transformers serve <dir>``) accepts requests that name that directory
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,6 +41,8 @@ class ServerSpec:
     model: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     admin_cache_path: str | None = None
+    # A temporary directory the server owns (embedded Redis); removed after stop.
+    data_dir: Path | None = None
 
 
 def free_port() -> int:
@@ -75,6 +78,7 @@ def build_spec(
             env,
             ready_path="/readyz",
             admin_cache_path="/admin/cache",
+            data_dir=data_dir,
         )
     if system in ("hf", "hf-cb"):
         argv = [_venv_bin("transformers"), "serve", str(model_dir), *host, "--device", "cpu"]
@@ -92,6 +96,7 @@ class RunningServer:
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        self.model = spec.model
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         # A session of its own: stop() signals the whole group (uvicorn workers, redis).
         self.process = subprocess.Popen(
@@ -136,8 +141,15 @@ class RunningServer:
                     break
                 except subprocess.TimeoutExpired:
                     continue
+        # Stragglers of the group (an embedded Redis whose parent was killed) go too.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if not self._log.closed:
             self._log.close()
+        if self.spec.data_dir is not None and self.process.poll() is not None:
+            shutil.rmtree(self.spec.data_dir, ignore_errors=True)
 
     def __enter__(self) -> RunningServer:
         return self
@@ -157,11 +169,25 @@ def start_server(
     port = free_port()
     data_dir = Path(tempfile.mkdtemp(prefix=f"bench-{system}-"))
     spec = build_spec(system, model_dir, port, data_dir, threads)
+    if spec.data_dir is None:
+        shutil.rmtree(data_dir, ignore_errors=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     server = RunningServer(spec, port, log_dir / f"{system}.log")
     try:
         server.wait_ready(ready_timeout_s)
+        if spec.model is None:
+            server.model = served_model(server.base_url, spec.headers)
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def served_model(base_url: str, headers: dict[str, str]) -> str:
+    """The id a server lists first in ``GET /v1/models``: the name its requests must use."""
+    response = httpx.get(base_url + "/v1/models", headers=headers, timeout=10.0)
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise ServerStartError(f"{base_url}/v1/models lists no model")
+    return models[0]["id"]

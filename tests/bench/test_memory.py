@@ -47,19 +47,23 @@ def test_static_allocation_ignores_idle_time_and_errors():
     assert static_allocation([], max_len=80) is None
 
 
-def test_admin_slots_and_waste():
+def test_admin_slots_from_ours_block_counts():
+    body = {"engine": {"device": {"total": 100, "free": 90, "used": 4, "cached": 6}}}
+    assert slots_from_admin(body, block_size=16) == (64.0, None)
+    assert slots_from_admin({"engine": {"hit_rate": 0.5}}) is None
+    samples = [{"t": 0.0, "body": body}, {"t": 0.1, "body": {"engine": {"device": {"used": 2}}}}]
+    summary = summarize_admin(samples, block_size=16)
+    assert summary.mean_allocated_slots == 48 and summary.peak_allocated_slots == 64
+    assert summary.waste_pct is None and summary.mean_used_slots is None
+
+
+def test_admin_waste_when_used_slots_are_reported():
     samples = [
-        {
-            "t": 0.0,
-            "body": {"device": {"allocated_blocks": 4, "block_size": 16, "used_token_slots": 60}},
-        },
+        {"t": 0.0, "body": {"engine": {"device": {"used": 4}, "used_token_slots": 60}}},
         {"t": 0.1, "body": {"allocated_token_slots": 32, "used_token_slots": 30}},
         {"t": 0.2, "body": {"allocated_token_slots": 0, "used_token_slots": 0}},
-        {"t": 0.3, "body": {"hit_rate": 0.5}},
     ]
-    assert slots_from_admin(samples[0]["body"]) == (64, 60)
-    assert slots_from_admin(samples[3]["body"]) is None
-    summary = summarize_admin(samples)
+    summary = summarize_admin(samples, block_size=16)
     assert summary.samples == 2
     assert summary.waste_pct == pytest.approx(100 * (1 - 90 / 96))
     assert summarize_admin(samples[2:]) is None
