@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from .block_table import BlockTable
 from .errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError
-from .hashing import BlockHasher
 from .integrity import check_integrity
+from .matching import PrefixMatcher
 from .namespace import Namespace
 from .plan import EMPTY_PLAN, AllocResult, AppendResult, PlanBuilder
 from .prefix_index import DEVICE, HOST
@@ -58,7 +58,7 @@ class KVCacheManager:
         self.debug_checks = bool(debug_checks)
         self.stats = CacheStats()
         self.tiers = TieredBlocks(num_blocks, num_host_blocks, self.stats)
-        self._hasher = BlockHasher(block_size)
+        self._matcher = PrefixMatcher(self.tiers, block_size)
         self._seqs: dict[object, Sequence] = {}
 
     # -- queries ------------------------------------------------------------------
@@ -161,25 +161,7 @@ class KVCacheManager:
             raise TypeError(f"namespace must be a cache.Namespace, got {type(namespace).__name__}")
 
     def _match(self, tokens: list[int], namespace: Namespace) -> list:
-        """Verified index nodes of the longest cached prefix within ``tokens[:-1]``."""
-        if not self.enable_prefix_cache:
-            return []
-        index = self.tiers.index
-        hash_block = self._hasher.hash_block
-        bs = self.block_size
-        node = index.root
-        matched = []
-        for i in range((len(tokens) - 1) // bs):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            ns_key = namespace.key(i, bs)
-            child = index.lookup(
-                node, hash_block(node.hash, block_tokens, ns_key), block_tokens, ns_key
-            )
-            if child is None:
-                break
-            matched.append(child)
-            node = child
-        return matched
+        return self._matcher.match(tokens, namespace) if self.enable_prefix_cache else []
 
     def _blocks_needed(self, tokens: list[int], matched: list) -> int:
         refcounts = self.tiers.device.refcounts
@@ -266,36 +248,8 @@ class KVCacheManager:
             num_full = num_tokens // self.block_size
             if num_full > seq.num_indexed:
                 self.tiers.index.advance()
-                self._index_blocks(seq, num_full)
+                self._matcher.index_computed(seq, num_full)
         self._after_mutation()
-
-    def _index_blocks(self, seq: Sequence, num_full: int) -> None:
-        tiers = self.tiers
-        index = tiers.index
-        bs = self.block_size
-        tokens = seq.token_ids
-        blocks = seq.table.block_ids
-        parent = seq.last_node
-        for i in range(seq.num_indexed, num_full):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            ns_key = seq.namespace.key(i, bs)
-            hash_ = self._hasher.hash_block(parent.hash, block_tokens, ns_key)
-            own = blocks[i]
-            node = index.lookup(parent, hash_, block_tokens, ns_key)
-            if node is None:
-                if index.is_occupied(hash_):
-                    seq.index_stopped = True  # collision: the rest stays private
-                    return
-                node = tiers.index_new(parent, hash_, block_tokens, ns_key, own)
-            elif node.location == HOST:
-                tiers.rehome(node, own)
-            elif node.block_id != own:
-                tiers.pin(node)
-                seq.pinned.append(node)
-            node.last_access = index.tick
-            parent = node
-            seq.num_indexed = i + 1
-            seq.last_node = node
 
     # -- forking and freeing ------------------------------------------------------
 
