@@ -13,12 +13,14 @@ One data dir serves one server: an exclusive ``flock`` on ``data_dir/chatsvc.loc
 is held for the server's lifetime, so a second service pointed at the same dir
 fails at once with the holder's pid instead of corrupting the AOF. The kernel
 drops the lock once both this process and the server (which inherits it) are
-gone, so a crash never leaves a stale lock; the server is also told to exit
-(PR_SET_PDEATHSIG) when the process that started it dies.
+gone, so a crash never leaves a stale lock. A server whose service died is
+stopped cleanly by the next start on that dir (``_stop_orphan``); started from
+the main thread, it is also told to exit (PR_SET_PDEATHSIG) when the service dies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -26,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -53,6 +56,45 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _on_main_thread() -> bool:
+    # PDEATHSIG fires when the *thread* that started the child exits; from a
+    # worker thread (anyio.to_thread) that would stop the server when the pool
+    # retires the thread, so it is used from the main thread only. Orphans left
+    # otherwise are cleaned up by the next start (see _stop_orphan).
+    return threading.current_thread() is threading.main_thread()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stop_orphan(service_pid: str, server_pid: str) -> bool:
+    """SIGTERM a valkey-server whose chatsvc died; True if one was (being) stopped.
+
+    The lock is held by whoever has the lock file open: the service and the
+    server it started. If the service is gone, the holder is its orphaned
+    server; SIGTERM makes valkey fsync the AOF, save and exit, which frees the
+    lock. A live service is never touched.
+    """
+    if not (service_pid.isdigit() and server_pid.isdigit()) or _alive(int(service_pid)):
+        return False
+    try:
+        cmdline = Path(f"/proc/{server_pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    if b"valkey-server" not in cmdline:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(server_pid), signal.SIGTERM)
+    return True
 
 
 def _free_port(host: str) -> int:
@@ -125,21 +167,32 @@ class EmbeddedRedis:
     def _address(self) -> tuple[str, int] | str:
         return str(self.unix_socket) if self.unix_socket is not None else (self.host, self.port)
 
-    def _take_dir_lock(self) -> None:
+    def _take_dir_lock(self, timeout_s: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.data_dir / "chatsvc.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise EmbeddedRedisError(
-                f"data dir {self.data_dir} is already used by another chatsvc (pid {holder}); "
-                "stop it or configure a different data dir"
-            ) from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").split()
+                service_pid, server_pid = (holder + ["?", "?"])[:2]
+                if not _stop_orphan(service_pid, server_pid) or time.monotonic() > deadline:
+                    os.close(fd)
+                    raise EmbeddedRedisError(
+                        f"data dir {self.data_dir} is already used by another chatsvc "
+                        f"(pid {service_pid}, valkey-server pid {server_pid}); "
+                        "stop it or configure a different data dir"
+                    ) from None
+                time.sleep(0.05)
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+
+    def _record_server_pid(self) -> None:
+        if self._lock_fd is not None and self._process is not None:
+            os.pwrite(self._lock_fd, f"{os.getpid()} {self._process.pid}\n".encode(), 0)
 
     def _drop_dir_lock(self) -> None:
         if self._lock_fd is not None:
@@ -179,7 +232,7 @@ class EmbeddedRedis:
         """
         if self.is_running():
             raise EmbeddedRedisError("the embedded server is already running")
-        self._take_dir_lock()
+        self._take_dir_lock(timeout_s)
         try:
             if self.unix_socket is None and self.port is None:
                 self.port = _free_port(self.host)
@@ -190,11 +243,12 @@ class EmbeddedRedis:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C meant for us must not kill it mid-write
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent if _on_main_thread() else None,
                 # The child inherits the data-dir lock: even if it outlived us,
                 # no second server could open the same AOF.
                 pass_fds=(self._lock_fd,),
             )
+            self._record_server_pid()
             self._wait_ready(timeout_s)
         except BaseException:
             self._kill()

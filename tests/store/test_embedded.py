@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import redis
 
 from chatsvc.store import Store, StoreUnavailableError
 from chatsvc.store.embedded import EmbeddedRedis, EmbeddedRedisError
@@ -111,3 +116,42 @@ async def test_unix_socket_server(tmp_path):
         tenant = await new_tenant(store)
         assert await store.get_tenant(tenant.id) == tenant
         await store.close()
+
+
+def _process_state(pid: int) -> str | None:
+    """The /proc state letter of ``pid`` ("Z" = exited, not yet reaped), None if gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return None
+    return next(line.split()[1] for line in status.splitlines() if line.startswith("State:"))
+
+
+def test_orphan_of_a_killed_service_is_stopped_by_the_next_start(tmp_path):
+    # A service that started its server from a worker thread (as the API does
+    # through anyio.to_thread) and then died by SIGKILL leaves the server running.
+    script = f"""
+import threading, time, redis
+from chatsvc.store.embedded import EmbeddedRedis
+server = EmbeddedRedis({str(tmp_path)!r})
+starter = threading.Thread(target=server.start)
+starter.start(); starter.join()
+redis.Redis.from_url(server.url).set("k", "acknowledged")
+print(server.pid, flush=True)
+time.sleep(120)
+"""
+    repo = Path(__file__).resolve().parents[2]
+    service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=repo)
+    server_pid = int(service.stdout.readline())
+    try:
+        service.kill()
+        service.wait()
+        os.kill(server_pid, 0)  # the orphan outlived its thread and its service
+        with EmbeddedRedis(tmp_path) as server:
+            assert server.pid != server_pid
+            assert redis.Redis.from_url(server.url).get("k") == b"acknowledged"
+            assert _process_state(server_pid) in (None, "Z")  # the orphan was stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+        service.stdout.close()
