@@ -118,7 +118,32 @@ def markdown_table(result: dict) -> str:
                 "–" if p is None else f"{_ms(p['p50'])} / {_ms(p['p90'])} / {_ms(p['p99'])}"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", *memory_table(sums)]
     return "\n".join(lines) + "\n"
+
+
+def memory_table(sums: dict[str, dict]) -> list[str]:
+    """KV memory lines: tokens the in-flight requests held (client view), what a static
+    per-request reservation would take, and what ours allocated (from /admin/cache)."""
+    lines = [
+        "KV memory, mean over the busy part of the run (token slots):",
+        "",
+        "| system | tokens held (client view) | static reservation | static waste "
+        "| allocated (server) mean / peak | used (server) | waste (server) |",
+        "|---" * 7 + "|",
+    ]
+    for name, s in sums.items():
+        static, admin = s.get("static_memory") or {}, s.get("admin_memory") or {}
+        lines.append(
+            f"| {name} | {_num(static.get('mean_used_slots'), '{:.0f}')} "
+            f"| {_num(static.get('mean_allocated_slots'), '{:.0f}')} "
+            f"| {_num(static.get('waste_pct'), '{:.1f} %')} "
+            f"| {_num(admin.get('mean_allocated_slots'), '{:.0f}')} / "
+            f"{_num(admin.get('peak_allocated_slots'), '{:.0f}')} "
+            f"| {_num(admin.get('mean_used_slots'), '{:.0f}')} "
+            f"| {_num(admin.get('waste_pct'), '{:.1f} %')} |"
+        )
+    return lines
 
 
 def plot(result: dict, path: str | Path) -> Path:

@@ -37,6 +37,7 @@ RESULT = {
                 "samples": 3,
                 "mean_allocated_slots": 100.0,
                 "mean_used_slots": 97.0,
+                "peak_allocated_slots": 120.0,
                 "waste_pct": 3.0,
             },
         },
@@ -91,6 +92,8 @@ def test_markdown_table_rows():
     hf = next(line for line in table.splitlines() if line.startswith("| hf |"))
     assert "| – | 24.0% | – |" in hf
     assert "| turn 1 | turn 2 | turn 3 | turn 4 |" in table
+    memory = next(line for line in table.splitlines() if line.startswith("| ours | –"))
+    assert memory.endswith("| 100 / 120 | 97 | 3.0 % |")
 
 
 def test_plot_writes_a_png(tmp_path):
