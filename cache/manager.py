@@ -274,8 +274,7 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id)
         tiers = self.tiers
         tiers.index.advance()
-        for block in seq.table.block_ids:
-            tiers.unref_block(block)
+        tiers.unref_blocks(seq.table.block_ids)
         for node in seq.pinned:
             tiers.unpin(node)
         self._after_mutation()

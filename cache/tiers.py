@@ -73,7 +73,30 @@ class TieredBlocks:
         node.last_access = self.index.tick
         if node.pins == 0:
             self.num_evictable += 1
-            self.index.push_device_candidate(node)
+            if node.num_device_children == 0:
+                self.index.push_device_candidate(node)
+
+    def unref_blocks(self, blocks: list[int]) -> None:
+        """``unref_block`` for a whole table (the hot path of ``free``)."""
+        refcounts = self.device.refcounts
+        node_of_block = self.node_of_block
+        tick = self.index.tick
+        for block in blocks:
+            count = refcounts[block]
+            if count > 1:
+                refcounts[block] = count - 1
+                continue
+            node = node_of_block[block]
+            if node is None or node.pins:
+                self.unref_block(block)
+                continue
+            refcounts[block] = 0
+            node.last_access = tick
+            self.num_evictable += 1
+            # A node with device children becomes a candidate only when its last
+            # device child leaves, and that eviction pushes it then.
+            if node.num_device_children == 0:
+                self.index.push_device_candidate(node)
 
     def pin(self, node: PrefixNode) -> None:
         if node.pins == 0 and self.device.refcounts[node.block_id] == 0:
