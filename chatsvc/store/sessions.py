@@ -214,6 +214,13 @@ class SessionStore:
                 await self.redis.zrem(index, *expired)
         return page, None if exhausted else encode_cursor(score, after)
 
+    async def count_sessions(self, tenant_id: str) -> int:
+        """Size of the tenant's session index: an upper bound, as expired ids
+        count until a listing prunes them."""
+        check_id("tenant", tenant_id)
+        with self._unavailable():
+            return await self.redis.zcard(self.keys.tenant_sessions(tenant_id))
+
     async def delete_session(self, tenant_id: str, session_id: str) -> bool:
         """Remove every key of the session and its index entry; False if not visible."""
         check_id("tenant", tenant_id)

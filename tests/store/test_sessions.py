@@ -86,6 +86,7 @@ async def test_list_sessions_newest_first_with_cursor(store: Store):
         if cursor is None:
             break
     assert seen == expected
+    assert await store.count_sessions(a.id) == 7 and await store.count_sessions(b.id) == 1
 
     with pytest.raises(ValueError, match="cursor"):
         await store.list_sessions(a.id, cursor="garbage")
