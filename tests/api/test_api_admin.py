@@ -1,0 +1,86 @@
+"""Admin endpoints, Prometheus metrics and the health probes."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.conftest import new_session, say, unique
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_admin_endpoints_need_the_admin_key(acme, api):
+    for path in ("/admin/cache", "/metrics"):
+        assert acme.get(path).status_code == 403  # a tenant key is not enough
+        assert httpx.get(api.url + path).status_code == 401
+
+
+def test_cache_stats_cover_engine_and_requests(admin, acme):
+    session = new_session(acme, system_prompt=unique("Be brief."))
+    say(acme, session["id"], unique("One."))
+    say(acme, session["id"], unique("Two."))
+    stats = admin.get("/admin/cache").json()
+    engine = stats["engine"]
+    for key in ("device", "host", "indexed_blocks"):
+        assert key in engine
+    assert engine["device"]["total"] > 0
+    overall = stats["requests"]["overall"]
+    assert overall["requests"] >= 2
+    assert 0 < overall["cached_tokens"] <= overall["prompt_tokens"]
+    assert 0 < overall["token_hit_rate"] <= 1
+
+
+def test_metrics_count_prompt_and_cached_tokens(admin, acme):
+    before = _samples(admin.get("/metrics").text)
+    session = new_session(acme)
+    first = say(acme, session["id"], unique("Alpha."))
+    second = say(acme, session["id"], unique("Beta."))
+    response = admin.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    after = _samples(response.text)
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    prompt = first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
+    cached = first["usage"]["cached_tokens"] + second["usage"]["cached_tokens"]
+    assert delta("chatsvc_prefix_cache_queries_tokens_total") == prompt
+    assert delta("chatsvc_prefix_cache_hits_tokens_total") == cached > 0
+    ok = (("endpoint", "session_turn"), ("status", "ok"))
+    assert delta("chatsvc_requests_total", ok) == 2
+    assert delta("chatsvc_time_to_first_token_seconds_count") == 2
+    assert after[("chatsvc_kv_cache_blocks_total", (("tier", "device"),))] > 0
+    assert ("chatsvc_kv_cache_usage_ratio", (("tier", "host"),)) in after
+
+
+def test_health_and_readiness_need_no_key(api):
+    assert httpx.get(api.url + "/healthz").json()["status"] == "ok"
+    ready = httpx.get(api.url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"engine": "ok", "store": "ok"}
+
+
+def test_openapi_schema_documents_every_endpoint(api):
+    schema = httpx.get(api.url + "/schema/openapi.json").json()
+    for path in (
+        "/sessions",
+        "/sessions/{session_id}",
+        "/sessions/{session_id}/messages",
+        "/system-prompts",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/admin/cache",
+        "/metrics",
+        "/healthz",
+        "/readyz",
+    ):
+        assert path in schema["paths"], path
+    for name in ("PostMessage", "TurnResult", "ChatCompletionRequest", "ChatCompletion"):
+        assert name in schema["components"]["schemas"], name
