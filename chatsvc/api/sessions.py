@@ -45,7 +45,7 @@ class SessionController(Controller):
             text = gen.check_text(data.system_prompt, services, "system prompt")
             token_ids = gen.system_prefix_tokens(services, text)
         limit = services.settings.limits.max_sessions_per_tenant
-        if await _count_sessions(store, tenant.id) >= limit:
+        if await store.count_sessions(tenant.id) >= limit:
             raise RateLimitError(f"this tenant already has {limit} sessions; delete some first")
         try:
             session = await store.create_session(
@@ -94,14 +94,6 @@ class SessionController(Controller):
             deleted = False
         if not deleted:
             raise NotFoundError(UNKNOWN_SESSION)
-
-
-async def _count_sessions(store, tenant_id: str) -> int:
-    # The store has no count method; the tenant's index is a sorted set whose
-    # size counts sessions (expired ones until a listing prunes them, so the
-    # limit errs on the strict side).
-    with store._unavailable():
-        return await store.redis.zcard(store.keys.tenant_sessions(tenant_id))
 
 
 async def _system_prompt(services: Services, tenant: TenantRecord, prompt_id: str):
