@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import runnable
-from kernels.paged_gather import batch_gather_index
+from kernels.paged_gather import batch_block_ids, gather_tokens, masked_scores_bias
 from kernels.validate import (
     check_block_tables,
     check_index,
@@ -202,21 +202,24 @@ def paged_decode_attention_torch(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Reference: gather K/V padded to the longest context, then masked SDPA.
+    """Reference: gather whole blocks up to the longest context, then masked SDPA.
 
     GQA without copying K/V per query head: the GROUP query heads of a KV head
     become SDPA's query-length axis, ``q [B, H_kv, GROUP, D]`` against
     ``k [B, H_kv, T, D]``, so every query row sees the same key mask.
     """
     batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if batch == 0:
         return torch.empty_like(query)
-    blocks, offsets, valid = batch_gather_index(block_tables, context_lens, k_cache.shape[1])
-    k = k_cache[blocks, offsets].transpose(1, 2)  # [B, H_kv, T, D]
-    v = v_cache[blocks, offsets].transpose(1, 2)
+    ids, padded_len = batch_block_ids(block_tables, context_lens, block_size)
+    k = gather_tokens(k_cache, ids).transpose(1, 2)  # [B, H_kv, T, D]
+    v = gather_tokens(v_cache, ids).transpose(1, 2)
+    positions = torch.arange(padded_len, device=query.device)
+    allowed = positions[None, :] < context_lens.long()[:, None]
+    bias = masked_scores_bias(allowed, query.dtype)[:, None, None, :]  # [B, 1, 1, T]
     q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)
 
 

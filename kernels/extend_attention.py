@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import runnable
-from kernels.paged_gather import sequence_gather_index
+from kernels.paged_gather import gather_tokens, masked_scores_bias
 from kernels.validate import (
     check_block_tables,
     check_index,
@@ -167,6 +167,7 @@ def paged_extend_attention_torch(
     """Reference: per sequence, gather its K/V and run SDPA with an offset causal mask."""
     num_q_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    gqa = num_q_heads != num_kv_heads
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -175,22 +176,19 @@ def paged_extend_attention_torch(
         q_len = end - start
         if q_len == 0:
             continue
-        blocks, offsets = sequence_gather_index(block_tables[b], context_len, block_size)
-        k = k_cache[blocks, offsets].transpose(0, 1)[None]  # [1, H_kv, ctx, D]
-        v = v_cache[blocks, offsets].transpose(0, 1)[None]
+        ids = block_tables[b, : -(-context_len // block_size)].long()
+        k = gather_tokens(k_cache, ids)[:context_len].transpose(0, 1)[None]  # [1, H_kv, ctx, D]
+        v = gather_tokens(v_cache, ids)[:context_len].transpose(0, 1)[None]
         q = query[start:end].transpose(0, 1)[None]  # [1, H_q, q_len, D]
         prefix = context_len - q_len
         if prefix == 0:
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=num_q_heads != num_kv_heads
-            )
+            # Plain causal prefill: the fused kernel skips the masked half.
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             key_pos = torch.arange(context_len, device=query.device)
             q_pos = prefix + torch.arange(q_len, device=query.device)
-            mask = key_pos[None, :] <= q_pos[:, None]  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_q_heads != num_kv_heads
-            )
+            bias = masked_scores_bias(key_pos[None, :] <= q_pos[:, None], query.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
