@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -46,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--system-tokens", default="200", help="const:V | uniform:LO:HI | lognormal:MEDIAN:SIGMA"
     )
-    p.add_argument("--user-tokens", default="uniform:24:72")
-    p.add_argument("--answer-tokens", default="uniform:24:64")
+    p.add_argument("--user-tokens", default="uniform:16:48")
+    p.add_argument("--answer-tokens", default="uniform:16:48")
     p.add_argument("--think-time", default="uniform:0:1", help="seconds before each later turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replay", help="JSONL of conversations (a list of user turns per line)")
@@ -85,8 +86,24 @@ def workload_from_args(args: argparse.Namespace):
     return load_replay(args.replay, config) if args.replay else generate_workload(config)
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    # SystemExit unwinds through the servers' context managers, so they are stopped; a
+    # background job's SIGINT is ignored by default, hence SIGTERM as well.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run(args, argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Run every chosen system on one workload; write JSON, markdown and PNG."""
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
