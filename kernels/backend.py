@@ -42,3 +42,17 @@ def runnable(kernel: Any, device: torch.device) -> Any:
         f"Triton kernels cannot run on {device} tensors unless TRITON_INTERPRET=1 was set "
         "before triton was imported; use backend='torch' (the default on CPU)"
     )
+
+
+def dot_dtype(tensor: torch.Tensor) -> Any:
+    """Operand dtype of ``tl.dot`` in the attention kernels for ``tensor``'s dtype.
+
+    On CUDA: the input dtype (bf16/fp16 tensor cores; fp32 as IEEE fp32). The
+    interpreter's ``tl.dot`` mis-handles bf16 operands, so interpreted runs
+    upcast them to fp32; the softmax and accumulation are fp32 either way.
+    """
+    import triton.language as tl
+
+    if tensor.device.type != "cuda" or tensor.dtype == torch.float32:
+        return tl.float32
+    return tl.bfloat16 if tensor.dtype == torch.bfloat16 else tl.float16

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.backend import runnable
+from kernels.backend import dot_dtype, runnable
 from kernels.paged_gather import batch_block_ids, gather_tokens, masked_scores_bias
 from kernels.validate import (
     check_block_tables,
@@ -69,6 +69,7 @@ def paged_decode_kernel(
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     LOG2_BLOCK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
@@ -87,7 +88,7 @@ def paged_decode_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
         mask=row_mask[:, None],
         other=0.0,
-    )
+    ).to(DOT_DTYPE)
 
     m_i = tl.full([GROUP_P2], _NEG_INIT, tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
@@ -103,13 +104,13 @@ def paged_decode_kernel(
         k = tl.load(k_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0.0)
 
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -309,6 +310,7 @@ def paged_decode_attention_triton(
         GROUP_P2=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         LOG2_BLOCK=block_size.bit_length() - 1,
+        DOT_DTYPE=dot_dtype(query),
         BLOCK_N=block_n,
         SPLIT=split,
     )

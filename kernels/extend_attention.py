@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.backend import runnable
+from kernels.backend import dot_dtype, runnable
 from kernels.paged_gather import gather_tokens, masked_scores_bias
 from kernels.validate import (
     check_block_tables,
@@ -58,6 +58,7 @@ def paged_extend_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     LOG2_BLOCK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -78,7 +79,7 @@ def paged_extend_kernel(
         q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
         mask=row_mask[:, None],
         other=0.0,
-    )
+    ).to(DOT_DTYPE)
     # Keys past the tile's last row are masked for every row: stop there.
     # A tile wholly past q_len has nothing to compute.
     hi = tl.minimum(context_len, prefix + (tile + 1) * BLOCK_M)
@@ -98,14 +99,16 @@ def paged_extend_kernel(
         k = tl.load(k_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0.0)
 
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
         visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee"
+        )
         m_i = m_new
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
@@ -247,6 +250,7 @@ def paged_extend_attention_triton(
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         LOG2_BLOCK=block_size.bit_length() - 1,
+        DOT_DTYPE=dot_dtype(query),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
     )
