@@ -1,0 +1,145 @@
+"""Engine benchmark: concurrent multi-turn conversations with a shared system prompt.
+
+    .venv/bin/python -m bench.engine [--conversations 16] [--turns 6] [--max-tokens 8]
+
+Runs the workload through AsyncEngine twice, prefix cache on and off, and prints
+per-turn TTFT (median over conversations), output tokens/s, and the prefix hit
+rate against the ideal: the prompt tokens an earlier request had already
+computed, at block granularity, never counting the last prompt token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from cache import Namespace
+from chatsvc.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
+from chatsvc.engine.loader import load_model
+
+SYSTEM = (
+    "You are a concise assistant for a travel company. Answer in one or two sentences, "
+    "stay friendly, never invent prices, and suggest one concrete next step. "
+) * 3
+TOPICS = ["Lisbon", "Kyoto", "Oslo", "Lima", "Cairo", "Hanoi", "Quebec", "Perth"]
+
+
+class IdealTracker:
+    """Block-aligned prefixes some earlier request computed (hashes of token tuples)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.prefixes: set[int] = set()
+
+    def ideal(self, prompt: list[int]) -> int:
+        best = 0
+        for end in range(self.block_size, len(prompt), self.block_size):
+            if hash(tuple(prompt[:end])) not in self.prefixes:
+                break
+            best = end
+        return best
+
+    def add(self, computed: list[int]) -> None:
+        for end in range(self.block_size, len(computed) + 1, self.block_size):
+            self.prefixes.add(hash(tuple(computed[:end])))
+
+
+async def conversation(engine, conv: int, turns: int, max_tokens: int, tracker, rows) -> None:
+    fmt = engine.chat_format
+    system = fmt.tokenize(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+    namespace = Namespace(tenant_salt=b"bench", shared_prefix_len=len(system), label="bench")
+    history = list(system)
+    end_turn = fmt.tokenize("<|im_end|>\n")
+    for turn in range(turns):
+        question = f"Tell me fact {turn + 1} about {TOPICS[conv % len(TOPICS)]} (trip {conv})."
+        prompt = history + fmt.tokenize(
+            f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        )
+        ideal = tracker.ideal(prompt)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        request = GenerationRequest(f"c{conv}-t{turn}", prompt, params, namespace)
+        start = time.perf_counter()
+        first = None
+        output: list[int] = []
+        async for delta in engine.generate(request):
+            first = first or time.perf_counter()
+            output += delta.token_ids
+            if delta.metrics is not None:
+                metrics = delta.metrics
+        tracker.add(prompt + output[:-1])
+        rows.append(
+            (turn, first - start, len(output), metrics.cached_prompt_tokens, ideal, len(prompt))
+        )
+        if output[-1] != end_turn[0]:
+            output.append(end_turn[0])
+        history = prompt + output + end_turn[1:]
+
+
+async def run(loaded, args, enable_prefix_cache: bool) -> dict:
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_gpu_blocks=args.blocks,
+        enable_prefix_cache=enable_prefix_cache,
+        max_num_batched_tokens=args.batch_tokens,
+    )
+    engine = AsyncEngine(config, loaded=loaded)
+    await engine.start()
+    tracker = IdealTracker(config.block_size)
+    rows: list = []
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(
+            *(
+                conversation(engine, c, args.turns, args.max_tokens, tracker, rows)
+                for c in range(args.conversations)
+            )
+        )
+    finally:
+        await engine.stop()
+    elapsed = time.perf_counter() - start
+    per_turn = {t: statistics.median(r[1] for r in rows if r[0] == t) for t in range(args.turns)}
+    return {
+        "ttft": per_turn,
+        "tokens_per_s": sum(r[2] for r in rows) / elapsed,
+        "hit": sum(r[3] for r in rows),
+        "ideal": sum(r[4] for r in rows),
+        "prompt": sum(r[5] for r in rows),
+        "elapsed": elapsed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=2048)
+    parser.add_argument("--batch-tokens", type=int, default=512)
+    args = parser.parse_args()
+    loaded = load_model(args.model, args.dtype)
+    results = {on: asyncio.run(run(loaded, args, on)) for on in (True, False)}
+    on, off = results[True], results[False]
+    print(
+        f"model={loaded.name} dtype={loaded.model.dtype} conversations={args.conversations} "
+        f"turns={args.turns} max_tokens={args.max_tokens}"
+    )
+    print("turn  ttft_cache_ms  ttft_nocache_ms  speedup")
+    for t in range(args.turns):
+        a, b = on["ttft"][t] * 1e3, off["ttft"][t] * 1e3
+        print(f"{t + 1:>4}  {a:>13.1f}  {b:>15.1f}  {b / a:>6.1f}x")
+    for name, r in (("cache on", on), ("cache off", off)):
+        print(
+            f"{name:>9}: {r['tokens_per_s']:.1f} output tok/s, wall {r['elapsed']:.1f} s, "
+            f"hit {r['hit']}/{r['prompt']} prompt tokens"
+        )
+    ratio = on["hit"] / on["ideal"] if on["ideal"] else 1.0
+    print(f"hit rate vs ideal: {on['hit']}/{on['ideal']} = {ratio:.1%}")
+
+
+if __name__ == "__main__":
+    main()
