@@ -1,0 +1,27 @@
+"""bench/kernels.py without a GPU: says so and exits 0; bad arguments are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import kernels as bench_kernels
+
+
+def test_without_cuda_it_reports_and_exits_zero(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_kernels.main([]) == 0
+    assert "No CUDA device" in capsys.readouterr().out
+
+
+def test_rejects_heads_that_do_not_group():
+    with pytest.raises(SystemExit):
+        bench_kernels.parse_args(["--q-heads", "9", "--kv-heads", "4"])
+
+
+def test_memory_estimate_grows_with_the_batch():
+    args = bench_kernels.parse_args([])
+    small = bench_kernels.PagedSetup.bytes_needed(1, 1024, args)
+    assert bench_kernels.PagedSetup.bytes_needed(16, 1024, args) == 16 * small
+    # bf16, 8 KV heads x 128: 4 KiB of K+V per token, times the headroom factor.
+    assert small == 1024 * 2 * 8 * 128 * 2 * (3 + 32 // 8)
