@@ -39,7 +39,11 @@ class LlamaModel:
         config: ModelConfig,
         weights: ModelWeights,
         max_positions: int | None = None,
+        check_bounds: bool = True,
     ) -> None:
+        """check_bounds: validate each step's slots and block ids against the pool once per
+        step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
+        """
         if len(weights.layers) != config.num_layers:
             raise ValueError(
                 f"config has {config.num_layers} layers, weights have {len(weights.layers)}"
@@ -51,6 +55,7 @@ class LlamaModel:
         self.max_positions = max_positions or config.max_context_len
         self.rope = RotaryTables(config, self.max_positions, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
+        self.check_bounds = check_bounds
 
     def kv_shape(self, block_size: int) -> KVShape:
         """The KV pool shape this model needs for a given block size."""
@@ -71,11 +76,25 @@ class LlamaModel:
                 f"kv_pool is {kv_pool.dtype} on {kv_pool.device}; "
                 f"the model is {self.dtype} on {self.device}"
             )
+        self._check_bounds(batch, kv_pool.shape[0], kv_pool.shape[3])
         if batch.max_context_len > self.max_positions:
             raise ValueError(
                 f"a sequence reaches {batch.max_context_len} tokens; "
                 f"the model serves at most {self.max_positions}"
             )
+
+    def _check_bounds(self, batch: ForwardBatch, num_blocks: int, block_size: int) -> None:
+        # Once per step here, so the kernels can skip their per-layer value checks.
+        if not self.check_bounds:
+            return
+        slots = batch.slot_mapping
+        if bool(((slots < -1) | (slots >= num_blocks * block_size)).any()):
+            raise ValueError(f"slot_mapping has slots outside [-1, {num_blocks * block_size})")
+        if batch.block_tables.shape[1] * block_size < batch.max_context_len:
+            raise ValueError("block_tables are too narrow for the longest context")
+        tables = batch.block_tables
+        if bool(((tables < 0) | (tables >= num_blocks)).any()):
+            raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
@@ -102,10 +121,16 @@ class LlamaModel:
             k = qk[:, c.num_heads :]  # [T, H_kv, D]
             v = qkv[:, q_size + kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = layer_views(kv_pool, layer_id)
-            kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, check_bounds=False)
             if batch.is_decode:
                 o = kernels.paged_decode_attention(
-                    q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale
+                    q,
+                    k_cache,
+                    v_cache,
+                    batch.block_tables,
+                    batch.context_lens,
+                    self.scale,
+                    check_bounds=False,
                 )
             else:
                 o = kernels.paged_extend_attention(
@@ -116,6 +141,8 @@ class LlamaModel:
                     batch.query_start_loc,
                     batch.context_lens,
                     self.scale,
+                    check_bounds=False,
+                    max_query_len=batch.max_query_len,
                 )
             h = torch.addmm(h, o.reshape(num_tokens, q_size), layer.o_weight.t())
             x = F.rms_norm(h, hidden, layer.post_norm, eps)
