@@ -169,3 +169,15 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(case):
         pytest.fail("this suite runs the interpreter only in subprocesses")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         decode(case, backend="triton")
+
+
+def test_tensors_on_another_device_are_refused(case):
+    # The meta device stands in for "not where the cache is" (no GPU needed).
+    query = torch.empty(2, 4, 64, device="meta")
+    with pytest.raises(ValueError, match="on meta but the KV cache on cpu"):
+        decode(case, query=query)
+    with pytest.raises(ValueError, match="block_tables on meta"):
+        decode(case, tables=case.block_tables.to("meta"))
+    key = torch.empty(1, 2, 64, device="meta")
+    with pytest.raises(ValueError, match="key on meta"):
+        kernels.write_kv(case.k_cache, case.v_cache, key, key, torch.tensor([0]))
