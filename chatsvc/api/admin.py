@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 from litestar import Controller, Response, get
 
 from chatsvc.api.auth import admin_guard
@@ -21,8 +22,11 @@ class AdminController(Controller):
         """The engine's cache view (block hit rates, reuse histogram, tier occupancy,
         evictions, swaps) under ``engine``, and prompt-token usage aggregated by
         tenant and by system prompt under ``requests``."""
-        return {"engine": services.engine.cache_stats(), "requests": services.usage.snapshot()}
+        # cache_stats waits for the engine thread to finish its current step.
+        engine = await anyio.to_thread.run_sync(services.engine.cache_stats)
+        return {"engine": engine, "requests": services.usage.snapshot()}
 
     @get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE)
     async def metrics(self, services: Services) -> Response[bytes]:
-        return Response(services.metrics.render(), media_type=CONTENT_TYPE)
+        body = await anyio.to_thread.run_sync(services.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)

@@ -177,6 +177,8 @@ async def generate(services: Services, request) -> AsyncIterator:
                 yield delta
     except RequestTooLargeError as exc:
         raise ContextLengthError(str(exc)) from None
+    except ValueError as exc:  # the engine's own validation of the request
+        raise InvalidRequestError(str(exc)) from None
     except EngineStoppedError as exc:
         raise ServiceUnavailableError(f"the engine is not running: {exc}") from None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import msgspec
-from litestar import Controller, get, post
+from litestar import Controller, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
@@ -34,7 +34,7 @@ class MessageController(Controller):
     )
     async def post_message(
         self, session_id: str, data: PostMessage, services: Services, tenant: TenantRecord
-    ) -> TurnResult | ServerSentEvent:
+    ) -> Response[TurnResult] | ServerSentEvent:
         """One turn. 409 while another turn of the session runs; 429 over the tenant's
         concurrent-generation limit. With ``stream: true`` the answer is an SSE stream."""
         turn, hold = await begin_turn(services, tenant, session_id, data)
@@ -48,7 +48,9 @@ class MessageController(Controller):
             if isinstance(item, TurnResult):
                 result = item
         assert result is not None  # run_turn raises unless it yields a result
-        return result
+        # Wrapped in a Response (like the SSE branch) so the handler keeps no
+        # fixed media type and each branch sends its own Content-Type.
+        return Response(result)
 
     @get("/", summary="The session's history, oldest first")
     async def list_messages(

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
-from litestar import Controller, get, post
+from litestar import Controller, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
 
@@ -48,7 +48,7 @@ class OpenAIController(Controller):
     @post("/chat/completions", summary="Chat completion (OpenAI format)", status_code=200)
     async def chat_completions(
         self, data: ChatCompletionRequest, services: Services, tenant: TenantRecord
-    ) -> ChatCompletion | ServerSentEvent:
+    ) -> Response[ChatCompletion] | ServerSentEvent:
         """Non-streaming: one ChatCompletion. ``stream: true``: chat.completion.chunk
         events ending with ``data: [DONE]``; usage in a last chunk with
         ``stream_options.include_usage``."""
@@ -64,7 +64,7 @@ class OpenAIController(Controller):
             samples = await _collect(services, request)
         finally:
             slot.release()
-        return ChatCompletion(
+        completion = ChatCompletion(
             id=completion_id,
             created=created,
             model=services.engine.model_name,
@@ -78,6 +78,7 @@ class OpenAIController(Controller):
             ],
             usage=_usage(samples),
         )
+        return Response(completion)
 
 
 async def _release(slot: gen.StreamSlot) -> None:
