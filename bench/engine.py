@@ -58,13 +58,17 @@ async def conversation(engine, conv: int, turns: int, max_tokens: int, tracker, 
             f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
         )
         ideal = tracker.ideal(prompt)
+        # Ideal: any request submitted earlier counts as computed (an upper bound; a
+        # request admitted in the same step as its twin cannot hit it).
+        tracker.add(prompt)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         request = GenerationRequest(f"c{conv}-t{turn}", prompt, params, namespace)
         start = time.perf_counter()
         first = None
         output: list[int] = []
         async for delta in engine.generate(request):
-            first = first or time.perf_counter()
+            if first is None:
+                first = time.perf_counter()
             output += delta.token_ids
             if delta.metrics is not None:
                 metrics = delta.metrics
