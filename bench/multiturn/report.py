@@ -60,11 +60,13 @@ def summarize_system(entry: dict, from_turn: int = 2) -> dict:
         "cached_tokens": cached if reports_cached else None,
         "hit_rate": cached / prompt if reports_cached and prompt else None,
     }
-    ideal = entry.get("ideal")
-    if ideal and ideal.get("prompt_tokens"):
-        summary["ideal_hit_rate"] = ideal["cached_tokens"] / ideal["prompt_tokens"]
-        if summary["hit_rate"] is not None and summary["ideal_hit_rate"] > 0:
-            summary["hit_ratio"] = summary["hit_rate"] / summary["ideal_hit_rate"]
+    for key, prefix in (("ideal", "ideal"), ("ideal_causal", "causal")):
+        ideal = entry.get(key)
+        if ideal and ideal.get("prompt_tokens"):
+            rate = ideal["cached_tokens"] / ideal["prompt_tokens"]
+            summary[f"{prefix}_hit_rate"] = rate
+            if summary["hit_rate"] is not None and rate > 0:
+                summary[f"{prefix}_hit_ratio"] = summary["hit_rate"] / rate
     for key in ("admin_memory", "static_memory"):
         if entry.get(key):
             summary[key] = entry[key]
@@ -85,27 +87,37 @@ def markdown_table(result: dict) -> str:
     sums = {name: summarize_system(entry) for name, entry in systems.items()}
     lines = [
         "| system | TTFT p50/p90/p99 turn≥3 (ms) | TPOT p50/p90 (ms) "
-        "| latency p50/p90/p99 (ms) | req/s | out tok/s | hit rate | ideal | ratio "
-        "| KV waste (ours) | static waste | errors |",
-        "|---" * 12 + "|",
+        "| latency p50/p90/p99 (ms) | req/s | out tok/s | errors |",
+        "|---" * 7 + "|",
     ]
     for name, s in sums.items():
         late, tpot, lat = s["ttft_late"], s["tpot"], s["latency"]
-        admin, static = s.get("admin_memory"), s.get("static_memory")
         lines.append(
             f"| {name} | {_ms(late['p50'])} / {_ms(late['p90'])} / {_ms(late['p99'])} "
             f"| {_ms(tpot['p50'])} / {_ms(tpot['p90'])} "
             f"| {_ms(lat['p50'])} / {_ms(lat['p90'])} / {_ms(lat['p99'])} "
             f"| {_num(s['requests_per_s'])} | {_num(s['output_tokens_per_s'], '{:.1f}')} "
+            f"| {s['errors']} |"
+        )
+    lines += [
+        "",
+        "Prefix cache (cached prompt tokens / prompt tokens, as the server reports them):",
+        "",
+        "| system | prompt tokens | cached | hit rate | ideal | ratio | causal ideal | ratio |",
+        "|---" * 8 + "|",
+    ]
+    for name, s in sums.items():
+        lines.append(
+            f"| {name} | {s['prompt_tokens']} | {_num(s['cached_tokens'], '{:.0f}')} "
             f"| {_num(s['hit_rate'], '{:.1%}')} | {_num(s.get('ideal_hit_rate'), '{:.1%}')} "
-            f"| {_num(s.get('hit_ratio'), '{:.1%}')} "
-            f"| {_num(admin and admin['waste_pct'], '{:.1f} %')} "
-            f"| {_num(static and static['waste_pct'], '{:.1f} %')} | {s['errors']} |"
+            f"| {_num(s.get('ideal_hit_ratio'), '{:.1%}')} "
+            f"| {_num(s.get('causal_hit_rate'), '{:.1%}')} "
+            f"| {_num(s.get('causal_hit_ratio'), '{:.1%}')} |"
         )
     turns = sorted({t for s in sums.values() for t in s["ttft_by_turn"]})
     lines += [
         "",
-        "TTFT p50 / p90 / p99 (ms) per turn:",
+        "TTFT p50 / p90 / p99 (ms) per turn (turn 1 = first user message):",
         "",
         "| system | " + " | ".join(f"turn {t + 1}" for t in turns) + " |",
         "|---" * (len(turns) + 1) + "|",

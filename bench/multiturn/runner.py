@@ -89,8 +89,12 @@ def system_entry(
 ) -> dict:
     entry = result.to_json()
     entry["ready_s"] = ready_s
-    ideal = ideal_for_records(result.records, workload, tokenizer, options.block_size)
+    ideal, causal = ideal_for_records(result.records, workload, tokenizer, options.block_size)
     entry["ideal"] = {"prompt_tokens": ideal.prompt_tokens, "cached_tokens": ideal.cached_tokens}
+    entry["ideal_causal"] = {
+        "prompt_tokens": causal.prompt_tokens,
+        "cached_tokens": causal.cached_tokens,
+    }
     max_len = options.max_context_len or max(
         ((r.prompt_tokens or 0) + r.max_tokens for r in result.records if r.ok), default=0
     )

@@ -45,11 +45,15 @@ def trace_requests(
         # completion_tokens counts an end-of-turn token that the text does not show; the
         # last sampled token, whichever it is, has no KV.
         n_computed = max(0, (record.completion_tokens or len(answer_ids)) - 1)
-        trace.append(TraceRequest(prompt, answer_ids[:n_computed]))
+        end = record.sent_at + record.latency_s
+        first = record.sent_at + (record.ttft_s if record.ttft_s is not None else record.latency_s)
+        trace.append(TraceRequest(prompt, answer_ids[:n_computed], record.sent_at, first, end))
     return trace
 
 
 def ideal_for_records(
     records: Sequence[RequestRecord], workload: Workload, tokenizer, block_size: int = 16
-) -> IdealHits:
-    return ideal_hits(trace_requests(records, workload, tokenizer), block_size)
+) -> tuple[IdealHits, IdealHits]:
+    """(ideal, causal ideal) of a run: see :mod:`bench.multiturn.ideal`."""
+    trace = trace_requests(records, workload, tokenizer)
+    return ideal_hits(trace, block_size), ideal_hits(trace, block_size, causal=True)

@@ -48,3 +48,20 @@ def test_bad_input_raises():
         ideal_hits([TraceRequest([1]), TraceRequest([])])
     with pytest.raises(ValueError, match="block_size"):
         ideal_hits([TraceRequest([1])], block_size=0)
+
+
+def test_causal_ideal_counts_only_what_existed_on_arrival():
+    shared = list(range(1, 9))  # two full blocks of 4
+    trace = [
+        # r0: sent at 0, prompt computed at 1.0, answer done at 2.0
+        TraceRequest(shared + [20], [21, 22, 23, 24], sent_at=0.0, prompt_done_at=1.0, done_at=2.0),
+        # r1: arrives at 0.5, before r0's prompt exists -> 0 (non-causal: 8)
+        TraceRequest(shared + [30], sent_at=0.5, prompt_done_at=1.5, done_at=1.6),
+        # r2: r0's next turn at 2.5: r0's prompt and answer exist -> blocks 1-4, 5-8, 20-23
+        TraceRequest(shared + [20, 21, 22, 23, 24, 40], sent_at=2.5, prompt_done_at=3, done_at=4),
+        # r3: at 1.2 only r0's prompt exists (its answer is still being generated) -> 8
+        TraceRequest(shared + [20, 21, 22, 23, 24, 50], sent_at=1.2, prompt_done_at=3, done_at=4),
+    ]
+    ordered = sorted(trace, key=lambda r: r.sent_at)
+    assert ideal_hits(ordered, block_size=4, causal=True).per_request == (0, 0, 8, 12)
+    assert ideal_hits(ordered, block_size=4).per_request == (0, 8, 12, 12)

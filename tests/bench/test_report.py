@@ -33,6 +33,7 @@ RESULT = {
                 _rec(3, None, None, None, None, None, error="HTTP 500"),
             ],
             "ideal": {"prompt_tokens": 1000, "cached_tokens": 800},
+            "ideal_causal": {"prompt_tokens": 1000, "cached_tokens": 768},
             "admin_memory": {
                 "samples": 3,
                 "mean_allocated_slots": 100.0,
@@ -65,7 +66,9 @@ def test_summary_of_ours():
     assert s["prompt_tokens"] == 1000 and s["cached_tokens"] == 768
     assert s["hit_rate"] == pytest.approx(0.768)
     assert s["ideal_hit_rate"] == pytest.approx(0.8)
-    assert s["hit_ratio"] == pytest.approx(0.96)
+    assert s["ideal_hit_ratio"] == pytest.approx(0.96)
+    assert s["causal_hit_rate"] == pytest.approx(0.768)
+    assert s["causal_hit_ratio"] == pytest.approx(1.0)
     assert s["requests_per_s"] == pytest.approx(0.4)
     assert s["output_tokens_per_s"] == pytest.approx(6.0)
     # turn >= 3 (index 2 on): TTFT 0.1 and 0.3
@@ -78,7 +81,7 @@ def test_summary_of_ours():
 
 def test_system_without_cache_reporting_has_no_hit_rate():
     s = summarize_system(RESULT["systems"]["hf"])
-    assert s["hit_rate"] is None and "hit_ratio" not in s
+    assert s["hit_rate"] is None and "ideal_hit_ratio" not in s
     assert s["ideal_hit_rate"] == pytest.approx(0.24)
     assert s["output_tokens_per_s"] == pytest.approx(1.0)
 
@@ -87,10 +90,10 @@ def test_markdown_table_rows():
     table = markdown_table(RESULT)
     ours = next(line for line in table.splitlines() if line.startswith("| ours |"))
     assert "| 200 / 280 / 298 |" in ours  # TTFT turn>=3 p50/p90/p99 in ms
-    assert "| 76.8% | 80.0% | 96.0% |" in ours
-    assert "| 3.0 % |" in ours and ours.endswith("| 1 |")
-    hf = next(line for line in table.splitlines() if line.startswith("| hf |"))
-    assert "| – | 24.0% | – |" in hf
+    assert "| 0.40 | 6.0 | 1 |" in ours
+    cache_rows = [line for line in table.splitlines() if "| 1000 |" in line or "| 400 |" in line]
+    assert cache_rows[0] == "| ours | 1000 | 768 | 76.8% | 80.0% | 96.0% | 76.8% | 100.0% |"
+    assert cache_rows[1] == "| hf | 400 | – | – | 24.0% | – | – | – |"
     assert "| turn 1 | turn 2 | turn 3 | turn 4 |" in table
     memory = next(line for line in table.splitlines() if line.startswith("| ours | –"))
     assert memory.endswith("| 100 / 120 | 97 | 3.0 % |")
