@@ -13,7 +13,7 @@ Triton algorithm (flash-decoding):
     It runs an online softmax in fp32 over BLOCK_N-token tiles (each token's
     block id comes from the table; offsets by shift and mask) and writes its
     partial (max, sum, normalised acc). ``paged_decode_reduce_kernel`` then
-    merges the partials of each (b, head): out = sum_p w_p acc_p / sum_p w_p
+    (``decode_split.py``) merges the partials of each (b, head): out = sum_p w_p acc_p / sum_p w_p
     with w_p = sum_p * 2^(max_p - max). With a single partition the first
     kernel writes the output directly and the reduce is skipped.
 """
@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import dot_dtype, runnable
+from kernels.decode_split import choose_partition, merge_partitions
 from kernels.paged_gather import batch_block_ids, gather_tokens, masked_scores_bias
 from kernels.validate import (
     check_block_tables,
@@ -134,40 +135,6 @@ def paged_decode_kernel(
         )
 
 
-@triton.jit
-def paged_decode_reduce_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    num_parts,
-    stride_ob,
-    stride_oh,
-    NUM_Q_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PARTS_P2: tl.constexpr,
-):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    parts = tl.arange(0, PARTS_P2)
-    part_mask = parts < num_parts
-    base = (b * NUM_Q_HEADS + head) * num_parts
-    m = tl.load(part_max_ptr + base + parts, mask=part_mask, other=float("-inf"))
-    s = tl.load(part_sum_ptr + base + parts, mask=part_mask, other=0.0)
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(
-        part_out_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
-        mask=part_mask[:, None],
-        other=0.0,
-    )
-    weight = tl.exp2(m - tl.max(m, 0)) * s
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(
-        out_ptr + b * stride_ob + head * stride_oh + dims,
-        out.to(out_ptr.dtype.element_ty),
-    )
-
-
 def check_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -224,21 +191,6 @@ def paged_decode_attention_torch(
     return out.reshape(batch, num_q_heads, head_dim)
 
 
-def _choose_partition(
-    device: torch.device, batch: int, num_kv_heads: int, max_len: int, block_n: int
-) -> int:
-    # Split only when (batch x kv heads) programs would leave SMs idle; aim for
-    # ~2 programs per SM and never partitions shorter than 256 tokens.
-    if device.type != "cuda":
-        return max_len
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    factor = min(-(-2 * num_sms // (batch * num_kv_heads)), -(-max_len // 256))
-    if factor <= 1:
-        return max_len
-    partition = triton.next_power_of_2(-(-max_len // factor))
-    return max(partition, 256, block_n)
-
-
 def paged_decode_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -270,7 +222,10 @@ def paged_decode_attention_triton(
     block_n = 64 if query.device.type == "cuda" else 16
     max_len = block_tables.shape[1] * block_size
     if partition_size is None:
-        partition_size = _choose_partition(query.device, batch, num_kv_heads, max_len, block_n)
+        num_sms = None
+        if query.device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+        partition_size = choose_partition(num_sms, batch, num_kv_heads, max_len, block_n)
     elif partition_size <= 0 or partition_size % block_n:
         raise ValueError(f"partition_size must be a positive multiple of {block_n}")
     num_parts = max(1, -(-max_len // partition_size))
@@ -315,16 +270,5 @@ def paged_decode_attention_triton(
         SPLIT=split,
     )
     if split:
-        runnable(paged_decode_reduce_kernel, query.device)[(batch, num_q_heads)](
-            out,
-            part_out,
-            part_max,
-            part_sum,
-            num_parts,
-            out.stride(0),
-            out.stride(1),
-            NUM_Q_HEADS=num_q_heads,
-            HEAD_DIM=head_dim,
-            PARTS_P2=triton.next_power_of_2(num_parts),
-        )
+        merge_partitions(out, part_out, part_max, part_sum)
     return out
