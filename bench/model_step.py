@@ -1,6 +1,6 @@
 """Decode-step time of our forward pass vs transformers' own, same model and input.
 
-    .venv/bin/python bench/model_step.py [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
+    .venv/bin/python -m bench.model_step [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
 
 Prints the median milliseconds of one decode step (B sequences, one token each,
 after a prompt of --context tokens), for our LlamaModel over the paged KV pool and
@@ -94,16 +94,18 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    loaded = load_model("smollm2", dtype=args.dtype)
+    loaded = load_model("smollm2", dtype=args.dtype, prepack_weights=False)
+    packed = load_model("smollm2", dtype=args.dtype, prepack_weights=True)
     dtype = loaded.model.dtype
     print(f"model {loaded.name}, dtype {dtype}, threads {torch.get_num_threads()}")
     for batch in (int(b) for b in args.batches.split(",")):
         ours = bench_ours(loaded, batch, args.context, args.steps)
+        ours_packed = bench_ours(packed, batch, args.context, args.steps)
         line = f"decode B={batch:<3} ctx={args.context}: ours {ours:7.2f} ms"
-        line += f" ({batch / ours * 1e3:7.1f} tok/s)"
+        line += f" | prepacked {ours_packed:7.2f} ms ({batch / ours_packed * 1e3:6.1f} tok/s)"
         if not args.skip_transformers:
             theirs = bench_transformers(loaded.path, dtype, batch, args.context, args.steps)
-            line += f" | transformers {theirs:7.2f} ms ({theirs / ours:4.1f}x)"
+            line += f" | transformers {theirs:7.2f} ms ({theirs / ours_packed:4.1f}x slower)"
         print(line, flush=True)
 
 

@@ -72,3 +72,36 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` from the fused ``[T, 2 * I]`` projection; returns ``[T, I]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def can_prepack(device: torch.device) -> bool:
+    """Whether oneDNN weight prepacking is available (CPU builds with mkldnn)."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def prepack(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor:
+    """A ``[out, in]`` weight in oneDNN's blocked layout, so no matmul reorders it per call.
+
+    The hint only picks the layout; any number of input rows works.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a plain weight."""
+    return F.linear(x, weight, bias)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ weight^T`` in one call (addmm), a plain weight."""
+    return torch.addmm(residual, x, weight.t())
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``prepack``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def packed_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a weight from ``prepack``."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")

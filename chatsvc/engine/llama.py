@@ -21,7 +21,17 @@ import torch.nn.functional as F
 
 import kernels
 from chatsvc.engine.forward_batch import ForwardBatch
-from chatsvc.engine.layers import RotaryTables, apply_rope_, swiglu
+from chatsvc.engine.layers import (
+    RotaryTables,
+    apply_rope_,
+    can_prepack,
+    linear,
+    linear_add,
+    packed_linear,
+    packed_linear_add,
+    prepack,
+    swiglu,
+)
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
 from kernels.kv_layout import KVShape, layer_views
@@ -40,9 +50,14 @@ class LlamaModel:
         weights: ModelWeights,
         max_positions: int | None = None,
         check_bounds: bool = True,
+        prepack_weights: bool | None = None,
     ) -> None:
         """check_bounds: validate each step's slots and block ids against the pool once per
         step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
+
+        prepack_weights: store the layers' matrices in oneDNN's blocked layout (CPU only;
+        None = wherever available). The plain matrices in ``weights.layers`` are replaced by
+        the packed ones, which still report their ``[out, in]`` shape.
         """
         if len(weights.layers) != config.num_layers:
             raise ValueError(
@@ -56,6 +71,22 @@ class LlamaModel:
         self.rope = RotaryTables(config, self.max_positions, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
+        if prepack_weights is None:
+            prepack_weights = can_prepack(self.device)
+        self.prepacked = bool(prepack_weights)
+        self._linear, self._linear_add = linear, linear_add
+        self._lm_head = weights.lm_head
+        if self.prepacked:
+            if not can_prepack(self.device):
+                raise ValueError("weight prepacking needs a CPU build with oneDNN (mkldnn)")
+            self._linear, self._linear_add = packed_linear, packed_linear_add
+            for layer in weights.layers:
+                layer.qkv_weight = prepack(layer.qkv_weight)
+                layer.o_weight = prepack(layer.o_weight)
+                layer.gate_up_weight = prepack(layer.gate_up_weight)
+                layer.down_weight = prepack(layer.down_weight)
+            # The embedding stays plain for lookups; a tied head gets its own packed copy.
+            self._lm_head = prepack(weights.lm_head)
 
     def kv_shape(self, block_size: int) -> KVShape:
         """The KV pool shape this model needs for a given block size."""
@@ -109,12 +140,13 @@ class LlamaModel:
         q_size, kv_size, hidden = c.q_size, c.kv_size, (c.hidden_size,)
         heads_qk = c.num_heads + c.num_kv_heads
         eps = c.rms_norm_eps
+        mm, mm_add = self._linear, self._linear_add
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
             x = F.rms_norm(h, hidden, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, q + 2kv]
+            qkv = mm(x, layer.qkv_weight, layer.qkv_bias)  # [T, q + 2kv]
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads_qk, c.head_dim)
             apply_rope_(qk, cos, sin)
             q = qk[:, : c.num_heads]  # [T, H_q, D]
@@ -144,13 +176,13 @@ class LlamaModel:
                     check_bounds=False,
                     max_query_len=batch.max_query_len,
                 )
-            h = torch.addmm(h, o.reshape(num_tokens, q_size), layer.o_weight.t())
+            h = mm_add(o.reshape(num_tokens, q_size), layer.o_weight, h)
             x = F.rms_norm(h, hidden, layer.post_norm, eps)
-            act = swiglu(F.linear(x, layer.gate_up_weight))  # [T, I]
-            h = torch.addmm(h, act, layer.down_weight.t())
+            act = swiglu(mm(x, layer.gate_up_weight))  # [T, I]
+            h = mm_add(act, layer.down_weight, h)
 
         last = h.index_select(0, batch.logits_indices)  # [B, hidden]
         last = F.rms_norm(last, hidden, w.final_norm, eps)
-        return F.linear(last, w.lm_head).float()  # [B, vocab]
+        return mm(last, self._lm_head).float()  # [B, vocab]
 
     __call__ = forward

@@ -63,16 +63,21 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     seed: int = 0,
+    prepack_weights: bool | None = None,
 ) -> LoadedModel:
     """Load a model by spec (see the module docstring).
 
     dtype: None picks bf16 where the hardware runs it natively, else fp32.
     max_positions: longest sequence to precompute RoPE for (default: the model's limit).
     seed: random weights only.
+    prepack_weights: oneDNN-blocked matrices on CPU (None = wherever available); see
+    ``LlamaModel``.
     """
     resolved = resolve_dtype(dtype, device)
     if spec == DEFAULT_SPEC:
-        loaded = load_local(ensure_default_model(), resolved, device, max_positions)
+        loaded = load_local(
+            ensure_default_model(), resolved, device, max_positions, prepack_weights
+        )
         return LoadedModel(
             loaded.config, loaded.model, loaded.tokenizer, DEFAULT_MODEL_NAME, loaded.path
         )
@@ -80,7 +85,7 @@ def load_model(
         shape = spec[len(RANDOM_PREFIX) :]
         config = named_config(shape)
         weights = random_weights(config, resolved, device, seed=seed)
-        model = LlamaModel(config, weights, max_positions)
+        model = LlamaModel(config, weights, max_positions, prepack_weights=prepack_weights)
         tokenizer = load_tokenizer(ensure_default_model())
         return LoadedModel(config, model, tokenizer, spec, None)
     path = Path(spec).expanduser()
@@ -89,7 +94,7 @@ def load_model(
             f"unknown model spec {spec!r}: expected {DEFAULT_SPEC!r}, "
             f"'{RANDOM_PREFIX}<name>' or a local model directory"
         )
-    return load_local(path, resolved, device, max_positions)
+    return load_local(path, resolved, device, max_positions, prepack_weights)
 
 
 def load_local(
@@ -97,10 +102,11 @@ def load_local(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int | None = None,
+    prepack_weights: bool | None = None,
 ) -> LoadedModel:
     """Load a local Hugging Face directory straight into our model (no transformers model)."""
     config = read_config(model_dir)
     with open_safetensors(model_dir) as get:
         weights = build_weights(config, get, dtype, device)
-    model = LlamaModel(config, weights, max_positions)
+    model = LlamaModel(config, weights, max_positions, prepack_weights=prepack_weights)
     return LoadedModel(config, model, load_tokenizer(model_dir), model_dir.name, model_dir)

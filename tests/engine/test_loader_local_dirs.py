@@ -44,8 +44,9 @@ def default_tokenizer(smollm2_fp32):
     return smollm2_fp32.tokenizer
 
 
+@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "plain"])
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_local_dir_matches_transformers(kind, tmp_path, default_tokenizer, paged_driver):
+def test_local_dir_matches_transformers(kind, prepack, tmp_path, default_tokenizer, paged_driver):
     torch.manual_seed(0)
     config = CONFIGS[kind]()
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -59,8 +60,8 @@ def test_local_dir_matches_transformers(kind, tmp_path, default_tokenizer, paged
     hf.save_pretrained(tmp_path, max_shard_size="200KB")
     default_tokenizer.save_pretrained(tmp_path)
 
-    loaded = load_model(str(tmp_path), dtype="fp32")
-    assert loaded.path == tmp_path
+    loaded = load_model(str(tmp_path), dtype="fp32", prepack_weights=prepack)
+    assert loaded.path == tmp_path and loaded.model.prepacked == prepack
     assert loaded.config.attention_bias == (kind == "qwen2-bias")
     if kind == "llama3-scaling":
         assert loaded.config.rope_scaling.rope_type == "llama3"
