@@ -7,9 +7,11 @@ Every error body has the same shape, which is also the OpenAI SDK's:
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.types import ExceptionHandlersMap
 
 from chatsvc.store import SessionBusyError, StoreUnavailableError
@@ -136,3 +138,15 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     HTTPException: _http,
     Exception: _unexpected,
 }
+
+
+def documented_errors(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI entries for a handler's error answers, all with the one error body."""
+    from chatsvc.api.schemas import ErrorBody
+
+    return {
+        status: ResponseSpec(
+            ErrorBody, description=HTTPStatus(status).phrase, generate_examples=False
+        )
+        for status in statuses
+    }

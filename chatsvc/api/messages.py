@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 import msgspec
 from litestar import Controller, Response, get, post
 from litestar.background_tasks import BackgroundTask
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from chatsvc.api.errors import ApiError, NotFoundError, error_body
+from chatsvc.api.errors import ApiError, NotFoundError, documented_errors, error_body
 from chatsvc.api.schemas import MessageList, MessageView, PostMessage, TextDelta, TurnResult
 from chatsvc.api.turn import UNKNOWN_SESSION, begin_turn, run_turn
 from chatsvc.service import Services
@@ -31,6 +32,15 @@ class MessageController(Controller):
         "/",
         summary="Send a user message and get the assistant's answer",
         status_code=200,
+        responses={
+            200: ResponseSpec(
+                TurnResult,
+                description="The stored turn; with stream: true, text/event-stream of "
+                "delta events then a done event carrying this body",
+                generate_examples=False,
+            ),
+            **documented_errors(400, 401, 404, 409, 413, 429, 503),
+        },
     )
     async def post_message(
         self, session_id: str, data: PostMessage, services: Services, tenant: TenantRecord

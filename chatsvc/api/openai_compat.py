@@ -14,10 +14,17 @@ from collections.abc import AsyncIterator
 import msgspec
 from litestar import Controller, Response, get, post
 from litestar.background_tasks import BackgroundTask
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import ServerSentEvent
 
 from chatsvc.api import generation as gen
-from chatsvc.api.errors import ApiError, InvalidRequestError, NotFoundError, error_body
+from chatsvc.api.errors import (
+    ApiError,
+    InvalidRequestError,
+    NotFoundError,
+    documented_errors,
+    error_body,
+)
 from chatsvc.api.openai_schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -45,7 +52,20 @@ class OpenAIController(Controller):
     async def list_models(self, services: Services, tenant: TenantRecord) -> ModelList:
         return ModelList(data=[Model(id=services.engine.model_name, created=services.started)])
 
-    @post("/chat/completions", summary="Chat completion (OpenAI format)", status_code=200)
+    @post(
+        "/chat/completions",
+        summary="Chat completion (OpenAI format)",
+        status_code=200,
+        responses={
+            200: ResponseSpec(
+                ChatCompletion,
+                description="With stream: true, text/event-stream of chat.completion.chunk "
+                "objects ending with data: [DONE]",
+                generate_examples=False,
+            ),
+            **documented_errors(400, 401, 404, 413, 429, 503),
+        },
+    )
     async def chat_completions(
         self, data: ChatCompletionRequest, services: Services, tenant: TenantRecord
     ) -> Response[ChatCompletion] | ServerSentEvent:

@@ -120,3 +120,14 @@ class TextDelta(msgspec.Struct, kw_only=True):
 class Health(msgspec.Struct, kw_only=True):
     status: str
     checks: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """The body of every error response."""
+
+    error: ErrorDetail
