@@ -61,8 +61,8 @@ def _find(tree: object, names: Sequence[str]) -> float | None:
 
 
 # Field names of ours' /admin/cache: {"engine": {"device": {"used": <blocks referenced by
-# live sequences>, ...}, "block_size"?: int, "used_token_slots"?: int}, ...}. Slot-level
-# usage is optional: the summary reports what the server gives.
+# live sequences>, ...}, "block_size": int, "num_sequences": int, "used_token_slots"?: int}}.
+# Slot-level usage is optional: without it only a bound on the waste is known.
 ALLOCATED_SLOT_KEYS = ("allocated_token_slots", "allocated_slots")
 USED_SLOT_KEYS = ("used_token_slots", "used_slots")
 BLOCK_SIZE_KEYS = ("block_size",)
@@ -83,6 +83,15 @@ def slots_from_admin(body: dict, block_size: int = 16) -> tuple[float, float | N
     return float(allocated), _find(body, USED_SLOT_KEYS)
 
 
+def waste_bound_slots(body: dict, block_size: int = 16) -> float | None:
+    """Most slots that can be allocated but empty when blocks are handed out as tokens
+    arrive: each live sequence's last, partially filled block (block_size - 1 each)."""
+    num_sequences = _find(body, ("num_sequences",))
+    if num_sequences is None:
+        return None
+    return num_sequences * ((_find(body, BLOCK_SIZE_KEYS) or block_size) - 1)
+
+
 @dataclass(frozen=True)
 class MemorySummary:
     """Means over the samples where anything was allocated (an idle server wastes
@@ -93,21 +102,34 @@ class MemorySummary:
     mean_used_slots: float | None
     waste_pct: float | None
     peak_allocated_slots: float = 0.0
+    waste_bound_pct: float | None = None
 
 
 def summarize_admin(samples: Sequence[dict], block_size: int = 16) -> MemorySummary | None:
-    """Waste = 1 - sum(used) / sum(allocated) over the busy samples."""
-    pairs = [slots_from_admin(s["body"], block_size) for s in samples]
-    pairs = [p for p in pairs if p is not None and p[0] > 0]
-    if not pairs:
+    """Waste = 1 - sum(used) / sum(allocated) over the busy samples; where used slots are
+    not reported, ``waste_bound_pct`` bounds it from the live sequences' last blocks."""
+    rows = []
+    for sample in samples:
+        pair = slots_from_admin(sample["body"], block_size)
+        if pair is not None and pair[0] > 0:
+            rows.append((*pair, waste_bound_slots(sample["body"], block_size)))
+    if not rows:
         return None
-    allocated = sum(a for a, _ in pairs)
-    peak = max(a for a, _ in pairs)
-    if any(u is None for _, u in pairs):
-        return MemorySummary(len(pairs), allocated / len(pairs), None, None, peak)
-    used = sum(u for _, u in pairs)
+    allocated = sum(a for a, _, _ in rows)
+    peak = max(a for a, _, _ in rows)
+    bound = None
+    if all(b is not None for _, _, b in rows):
+        bound = 100 * min(1.0, sum(b for _, _, b in rows) / allocated)
+    if any(u is None for _, u, _ in rows):
+        return MemorySummary(len(rows), allocated / len(rows), None, None, peak, bound)
+    used = sum(u for _, u, _ in rows)
     return MemorySummary(
-        len(pairs), allocated / len(pairs), used / len(pairs), 100 * (1 - used / allocated), peak
+        len(rows),
+        allocated / len(rows),
+        used / len(rows),
+        100 * (1 - used / allocated),
+        peak,
+        bound,
     )
 
 

@@ -141,8 +141,8 @@ def memory_table(sums: dict[str, dict]) -> list[str]:
         "KV memory, mean over the busy part of the run (token slots):",
         "",
         "| system | tokens held (client view) | static reservation | static waste "
-        "| allocated (server) mean / peak | used (server) | waste (server) |",
-        "|---" * 7 + "|",
+        "| allocated (server) mean / peak | used (server) | waste (server) | waste bound |",
+        "|---" * 8 + "|",
     ]
     for name, s in sums.items():
         static, admin = s.get("static_memory") or {}, s.get("admin_memory") or {}
@@ -153,7 +153,8 @@ def memory_table(sums: dict[str, dict]) -> list[str]:
             f"| {_num(admin.get('mean_allocated_slots'), '{:.0f}')} / "
             f"{_num(admin.get('peak_allocated_slots'), '{:.0f}')} "
             f"| {_num(admin.get('mean_used_slots'), '{:.0f}')} "
-            f"| {_num(admin.get('waste_pct'), '{:.1f} %')} |"
+            f"| {_num(admin.get('waste_pct'), '{:.1f} %')} "
+            f"| {_num(admin.get('waste_bound_pct'), '≤ {:.1f} %')} |"
         )
     return lines
 

@@ -57,6 +57,16 @@ def test_admin_slots_from_ours_block_counts():
     assert summary.waste_pct is None and summary.mean_used_slots is None
 
 
+def test_admin_waste_bound_from_live_sequences():
+    samples = [
+        {"t": 0, "body": {"engine": {"device": {"used": 10}, "num_sequences": 2, "block_size": 8}}},
+        {"t": 1, "body": {"engine": {"device": {"used": 6}, "num_sequences": 4, "block_size": 8}}},
+    ]
+    # (2 * 7 + 4 * 7) empty slots at most, over (80 + 48) allocated.
+    assert summarize_admin(samples).waste_bound_pct == pytest.approx(100 * 42 / 128)
+    assert summarize_admin(samples).mean_allocated_slots == 64
+
+
 def test_admin_waste_when_used_slots_are_reported():
     samples = [
         {"t": 0.0, "body": {"engine": {"device": {"used": 4}, "used_token_slots": 60}}},

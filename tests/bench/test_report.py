@@ -96,7 +96,7 @@ def test_markdown_table_rows():
     assert cache_rows[1] == "| hf | 400 | – | – | 24.0% | – | – | – |"
     assert "| turn 1 | turn 2 | turn 3 | turn 4 |" in table
     memory = next(line for line in table.splitlines() if line.startswith("| ours | –"))
-    assert memory.endswith("| 100 / 120 | 97 | 3.0 % |")
+    assert memory.endswith("| 100 / 120 | 97 | 3.0 % | – |")
 
 
 def test_plot_writes_a_png(tmp_path):
