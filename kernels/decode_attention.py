@@ -162,6 +162,13 @@ def check_decode(
         check_block_tables(block_tables, context_lens, num_blocks, block_size)
 
 
+# Decode reference works on groups of sequences whose gathered K (and V) stay
+# under this many bytes: small buffers are reused by the allocator and still in
+# cache when SDPA reads them, where one gather of the whole batch costs fresh
+# pages (page faults) and a second pass over memory.
+_GATHER_CHUNK_BYTES = 4 << 20
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -170,22 +177,52 @@ def paged_decode_attention_torch(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Reference: gather whole blocks up to the longest context, then masked SDPA.
+    """Reference: per group of sequences, gather whole blocks, then one masked SDPA.
 
     GQA without copying K/V per query head: the GROUP query heads of a KV head
-    become SDPA's query-length axis, ``q [B, H_kv, GROUP, D]`` against
-    ``k [B, H_kv, T, D]``, so every query row sees the same key mask.
+    become SDPA's query-length axis, ``q [b, H_kv, GROUP, D]`` against
+    ``k [b, H_kv, T, D]``, so every query row sees the same key mask.
     """
+    batch = query.shape[0]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    lens = context_lens.tolist()
+    start = 0
+    while start < batch:
+        end, longest = start + 1, lens[start]
+        while end < batch:
+            grown = max(longest, lens[end])
+            if (end + 1 - start) * grown * row_bytes > _GATHER_CHUNK_BYTES:
+                break
+            end, longest = end + 1, grown
+        out[start:end] = _decode_group(
+            query[start:end],
+            k_cache,
+            v_cache,
+            block_tables[start:end],
+            context_lens[start:end],
+            scale,
+        )
+        start = end
+    return out
+
+
+def _decode_group(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     batch, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if batch == 0:
-        return torch.empty_like(query)
     ids, padded_len = batch_block_ids(block_tables, context_lens, block_size)
-    k = gather_tokens(k_cache, ids).transpose(1, 2)  # [B, H_kv, T, D]
+    k = gather_tokens(k_cache, ids).transpose(1, 2)  # [b, H_kv, T, D]
     v = gather_tokens(v_cache, ids).transpose(1, 2)
     positions = torch.arange(padded_len, device=query.device)
     allowed = positions[None, :] < context_lens.long()[:, None]
-    bias = masked_scores_bias(allowed, query.dtype)[:, None, None, :]  # [B, 1, 1, T]
+    bias = masked_scores_bias(allowed, query.dtype)[:, None, None, :]  # [b, 1, 1, T]
     q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)

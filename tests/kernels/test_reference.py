@@ -150,3 +150,18 @@ def test_empty_inputs_are_no_ops():
     )
     assert out.shape == (0, 1, 64)
     assert torch.equal(case.pool, before)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2 * 40 * 2 * 64 * 4])
+def test_decode_reference_in_groups_of_sequences(monkeypatch, chunk_bytes):
+    """Small gather budgets split the batch (1 = one sequence per group)."""
+    from kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "_GATHER_CHUNK_BYTES", chunk_bytes)
+    lens = [40, 3, 17, 33, 1]
+    case = make_paged_case(lens, 8, 2, 64)
+    query = torch.randn(len(lens), 6, 64)
+    out = kernels.paged_decode_attention(
+        query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
+    )
+    assert_close(out, decode_oracle(case, query), torch.float32)
