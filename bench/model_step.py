@@ -1,10 +1,13 @@
-"""Decode-step time of our forward pass vs transformers' own, same model and input.
+"""Decode-step and prefill time of our forward pass vs transformers' own, same model and input.
 
     .venv/bin/python -m bench.model_step [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
 
-Prints the median milliseconds of one decode step (B sequences, one token each,
-after a prompt of --context tokens), for our LlamaModel over the paged KV pool and
-for LlamaForCausalLM with its DynamicCache. Figures, not assertions.
+For each batch size B: one decode step (B sequences, one new token each, after a
+prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
+and with oneDNN-prepacked weights, and of LlamaForCausalLM with its DynamicCache.
+Then one prefill of --prefill tokens. The variants run interleaved, sample by
+sample, so a shared machine's changing load hits them alike; medians are printed.
+Figures, not assertions.
 """
 
 from __future__ import annotations
@@ -12,68 +15,88 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from chatsvc.engine.forward_batch import ForwardBatch
-from chatsvc.engine.loader import load_model
+from chatsvc.engine.loader import LoadedModel, load_model
 from kernels.kv_layout import new_kv_pool
 
+BLOCK_SIZE = 16
 
-def _median_ms(fn, steps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+    """Median ms of each function, timing them in turn within every round."""
+    for fn in fns.values():
         fn()
-    times = []
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in samples.items()}
 
 
-def bench_ours(loaded, batch: int, context: int, steps: int, block_size: int = 16) -> float:
-    model = loaded.model
-    blocks_per_seq = (context + steps + 8) // block_size + 1
-    pool = new_kv_pool(batch * blocks_per_seq, model.kv_shape(block_size), model.dtype, "cpu")
+def _prompts(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(100, 40000, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def ours_decode(loaded: LoadedModel, batch: int, context: int) -> Callable[[], object]:
+    """A decode step at a fixed position (re-run: the context length stays the same)."""
+    model, bs = loaded.model, BLOCK_SIZE
+    blocks_per_seq = context // bs + 1
+    pool = new_kv_pool(batch * blocks_per_seq, model.kv_shape(bs), model.dtype, "cpu")
     tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, 40000, (batch, context), generator=gen).tolist()
 
     def slots(b: int, start: int, end: int) -> list[int]:
-        return [tables[b][p // block_size] * block_size + p % block_size for p in range(start, end)]
+        return [tables[b][p // bs] * bs + p % bs for p in range(start, end)]
 
-    prefill = ForwardBatch.from_lists(
-        prompts, [0] * batch, [slots(b, 0, context) for b in range(batch)], tables, block_size
+    prompts = _prompts(batch, context).tolist()
+    prefill_slots = [slots(b, 0, context) for b in range(batch)]
+    model.forward(ForwardBatch.from_lists(prompts, [0] * batch, prefill_slots, tables, bs), pool)
+    step_slots = [slots(b, context, context + 1) for b in range(batch)]
+    step = ForwardBatch.from_lists([[7]] * batch, [context] * batch, step_slots, tables, bs)
+    return lambda: model.forward(step, pool)
+
+
+def ours_prefill(loaded: LoadedModel, length: int) -> Callable[[], object]:
+    model, bs = loaded.model, BLOCK_SIZE
+    num_blocks = -(-length // bs)
+    pool = new_kv_pool(num_blocks, model.kv_shape(bs), model.dtype, "cpu")
+    tokens = _prompts(1, length)[0].tolist()
+    batch = ForwardBatch.from_lists(
+        [tokens], [0], [list(range(length))], [list(range(num_blocks))], bs
     )
-    model.forward(prefill, pool)
-    # Re-running the same decode position keeps the context length fixed across samples.
-    step = ForwardBatch.from_lists(
-        [[7]] * batch,
-        [context] * batch,
-        [slots(b, context, context + 1) for b in range(batch)],
-        tables,
-        block_size,
-    )
-    return _median_ms(lambda: model.forward(step, pool), steps)
+    return lambda: model.forward(batch, pool)
 
 
-def bench_transformers(path, dtype, batch: int, context: int, steps: int) -> float:
-    from transformers import DynamicCache, LlamaForCausalLM
+def hf_decode(hf, batch: int, context: int) -> Callable[[], object]:
+    from transformers import DynamicCache
 
-    hf = LlamaForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True).eval()
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, 40000, (batch, context), generator=gen)
+    cache = DynamicCache(config=hf.config)
+    token = torch.full((batch, 1), 7)
+    position = torch.full((batch, 1), context)
     with torch.inference_mode():
-        cache = DynamicCache(config=hf.config)
-        hf(prompts, cache=cache, use_cache=True)
-        token = torch.full((batch, 1), 7)
-        position = torch.full((batch, 1), context)
+        hf(_prompts(batch, context), cache=cache, use_cache=True)
 
-        def step() -> None:
-            hf(token, cache=cache, position_ids=position, use_cache=True)
-            cache.crop(-1)  # drop the step's token: same context length for every sample
+    @torch.inference_mode()
+    def step() -> None:
+        hf(token, cache=cache, position_ids=position, use_cache=True)
+        cache.crop(-1)  # drop the step's token: the same context length every time
 
-        return _median_ms(step, steps)
+    return step
+
+
+def hf_prefill(hf, length: int) -> Callable[[], object]:
+    tokens = _prompts(1, length)
+
+    @torch.inference_mode()
+    def run() -> None:
+        hf(tokens, use_cache=False, logits_to_keep=1)
+
+    return run
 
 
 def main() -> None:
@@ -82,6 +105,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--prefill", type=int, default=256, help="prompt tokens (0: skip)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
         "--threads",
@@ -94,18 +118,36 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    loaded = load_model("smollm2", dtype=args.dtype, prepack_weights=False)
+    plain = load_model("smollm2", dtype=args.dtype, prepack_weights=False)
     packed = load_model("smollm2", dtype=args.dtype, prepack_weights=True)
-    dtype = loaded.model.dtype
-    print(f"model {loaded.name}, dtype {dtype}, threads {torch.get_num_threads()}")
+    dtype = plain.model.dtype
+    hf = None
+    if not args.skip_transformers:
+        from transformers import LlamaForCausalLM
+
+        hf = LlamaForCausalLM.from_pretrained(str(plain.path), dtype=dtype, local_files_only=True)
+        hf.eval()
+    print(f"model {plain.name}, dtype {dtype}, threads {torch.get_num_threads()}")
     for batch in (int(b) for b in args.batches.split(",")):
-        ours = bench_ours(loaded, batch, args.context, args.steps)
-        ours_packed = bench_ours(packed, batch, args.context, args.steps)
-        line = f"decode B={batch:<3} ctx={args.context}: ours {ours:7.2f} ms"
-        line += f" | prepacked {ours_packed:7.2f} ms ({batch / ours_packed * 1e3:6.1f} tok/s)"
-        if not args.skip_transformers:
-            theirs = bench_transformers(loaded.path, dtype, batch, args.context, args.steps)
-            line += f" | transformers {theirs:7.2f} ms ({theirs / ours_packed:4.1f}x slower)"
+        fns = {
+            "ours": ours_decode(plain, batch, args.context),
+            "prepacked": ours_decode(packed, batch, args.context),
+        }
+        if hf is not None:
+            fns["transformers"] = hf_decode(hf, batch, args.context)
+        ms = interleaved_medians(fns, args.steps)
+        line = f"decode B={batch:<2} ctx={args.context}: " + " | ".join(
+            f"{name} {t:6.1f} ms ({batch / t * 1e3:6.1f} tok/s)" for name, t in ms.items()
+        )
+        print(line, flush=True)
+    if args.prefill:
+        fns = {"prepacked": ours_prefill(packed, args.prefill)}
+        if hf is not None:
+            fns["transformers"] = hf_prefill(hf, args.prefill)
+        ms = interleaved_medians(fns, max(3, args.steps // 6))
+        line = f"prefill {args.prefill} tokens: " + " | ".join(
+            f"{name} {t:6.1f} ms ({args.prefill / t * 1e3:5.0f} tok/s)" for name, t in ms.items()
+        )
         print(line, flush=True)
 
 
