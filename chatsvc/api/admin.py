@@ -8,8 +8,8 @@ import anyio
 from litestar import Controller, Response, get
 
 from chatsvc.api.auth import admin_guard
+from chatsvc.api.deps import ServicesDep
 from chatsvc.metrics import CONTENT_TYPE
-from chatsvc.service import Services
 
 
 class AdminController(Controller):
@@ -18,7 +18,7 @@ class AdminController(Controller):
     tags = ["admin"]
 
     @get("/admin/cache", summary="Prefix-cache statistics")
-    async def cache(self, services: Services) -> dict[str, Any]:
+    async def cache(self, services: ServicesDep) -> dict[str, Any]:
         """The engine's cache view (block hit rates, reuse histogram, tier occupancy,
         evictions, swaps) under ``engine``, and prompt-token usage aggregated by
         tenant and by system prompt under ``requests``."""
@@ -27,6 +27,6 @@ class AdminController(Controller):
         return {"engine": engine, "requests": services.usage.snapshot()}
 
     @get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE)
-    async def metrics(self, services: Services) -> Response[bytes]:
+    async def metrics(self, services: ServicesDep) -> Response[bytes]:
         body = await anyio.to_thread.run_sync(services.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)

@@ -12,6 +12,7 @@ from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
+from chatsvc.api.deps import ServicesDep
 from chatsvc.api.errors import AuthenticationError, PermissionDeniedError
 from chatsvc.service import Services
 from chatsvc.store.records import TenantRecord
@@ -28,7 +29,7 @@ def bearer_token(headers: dict[str, str] | object) -> str | None:
     return token.strip()
 
 
-async def provide_tenant(request: Request, services: Services) -> TenantRecord:
+async def provide_tenant(request: Request, services: ServicesDep) -> TenantRecord:
     """Dependency: the calling tenant, or 401 (same answer for a missing and a wrong key)."""
     if services.local_tenant is not None:
         return services.local_tenant

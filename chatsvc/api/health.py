@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from litestar import Response, get
 
+from chatsvc.api.deps import ServicesDep
 from chatsvc.api.schemas import Health
-from chatsvc.service import Services
 
 
 @get("/healthz", summary="The process is up", tags=["health"])
@@ -14,7 +14,7 @@ async def healthz() -> Health:
 
 
 @get("/readyz", summary="Redis answers PING and the engine is started", tags=["health"])
-async def readyz(services: Services) -> Response[Health]:
+async def readyz(services: ServicesDep) -> Response[Health]:
     """200 when both are ready, else 503 with the failing check named."""
     checks = {"engine": "ok" if services.engine_started else "not started"}
     try:

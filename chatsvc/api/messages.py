@@ -14,14 +14,14 @@ import msgspec
 from litestar import Controller, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
+from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import ApiError, NotFoundError, documented_errors, error_body
 from chatsvc.api.schemas import MessageList, MessageView, PostMessage, TextDelta, TurnResult
 from chatsvc.api.turn import UNKNOWN_SESSION, begin_turn, run_turn
-from chatsvc.service import Services
 from chatsvc.store import StoreUnavailableError
-from chatsvc.store.records import TenantRecord
 
 
 class MessageController(Controller):
@@ -43,7 +43,11 @@ class MessageController(Controller):
         },
     )
     async def post_message(
-        self, session_id: str, data: PostMessage, services: Services, tenant: TenantRecord
+        self,
+        session_id: FromPath[str],
+        data: JSONBody[PostMessage],
+        services: ServicesDep,
+        tenant: TenantDep,
     ) -> Response[TurnResult] | ServerSentEvent:
         """One turn. 409 while another turn of the session runs; 429 over the tenant's
         concurrent-generation limit. With ``stream: true`` the answer is an SSE stream."""
@@ -64,7 +68,7 @@ class MessageController(Controller):
 
     @get("/", summary="The session's history, oldest first")
     async def list_messages(
-        self, session_id: str, services: Services, tenant: TenantRecord
+        self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> MessageList:
         try:
             messages = await services.store.get_messages(tenant.id, session_id)

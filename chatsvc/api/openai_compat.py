@@ -15,9 +15,11 @@ import msgspec
 from litestar import Controller, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 
 from chatsvc.api import generation as gen
+from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import (
     ApiError,
     InvalidRequestError,
@@ -38,8 +40,6 @@ from chatsvc.api.openai_schemas import (
     ModelList,
     PromptTokensDetails,
 )
-from chatsvc.service import Services
-from chatsvc.store.records import TenantRecord
 
 ENDPOINT = "chat_completions"
 
@@ -49,7 +49,7 @@ class OpenAIController(Controller):
     tags = ["openai"]
 
     @get("/models", summary="The served model")
-    async def list_models(self, services: Services, tenant: TenantRecord) -> ModelList:
+    async def list_models(self, services: ServicesDep, tenant: TenantDep) -> ModelList:
         return ModelList(data=[Model(id=services.engine.model_name, created=services.started)])
 
     @post(
@@ -67,7 +67,7 @@ class OpenAIController(Controller):
         },
     )
     async def chat_completions(
-        self, data: ChatCompletionRequest, services: Services, tenant: TenantRecord
+        self, data: JSONBody[ChatCompletionRequest], services: ServicesDep, tenant: TenantDep
     ) -> Response[ChatCompletion] | ServerSentEvent:
         """Non-streaming: one ChatCompletion. ``stream: true``: chat.completion.chunk
         events ending with ``data: [DONE]``; usage in a last chunk with
@@ -106,7 +106,9 @@ async def _release(slot: gen.StreamSlot) -> None:
     slot.release()
 
 
-async def _build_request(services: Services, tenant: TenantRecord, data: ChatCompletionRequest):
+async def _build_request(
+    services: ServicesDep, tenant: TenantDep, data: JSONBody[ChatCompletionRequest]
+):
     from chatsvc.engine import GenerationRequest
 
     if data.model != services.engine.model_name:
@@ -161,7 +163,7 @@ async def _build_request(services: Services, tenant: TenantRecord, data: ChatCom
     )
 
 
-async def _collect(services: Services, request) -> list[gen.SampleResult]:
+async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
     samples = [gen.SampleResult() for _ in range(request.sampling.n)]
     async for delta in gen.generate(services, request):
         sample = samples[delta.index]
@@ -175,7 +177,7 @@ async def _collect(services: Services, request) -> list[gen.SampleResult]:
     return samples
 
 
-def _check_finished(services: Services, samples: list[gen.SampleResult]) -> None:
+def _check_finished(services: ServicesDep, samples: list[gen.SampleResult]) -> None:
     if any(s.finish_reason in (None, "abort") for s in samples):
         services.metrics.observe_failure(ENDPOINT, "aborted")
         raise ApiError("the generation was aborted", error_type="server_error")
@@ -195,7 +197,7 @@ def _usage(samples: list[gen.SampleResult]) -> CompletionUsage:
 
 
 async def _stream(
-    services: Services, request, slot, completion_id: str, created: int, include_usage: bool
+    services: ServicesDep, request, slot, completion_id: str, created: int, include_usage: bool
 ) -> AsyncIterator[str]:
     model = services.engine.model_name
 

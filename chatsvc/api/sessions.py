@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from litestar import Controller, delete, get, post
-from litestar.params import Parameter
+from litestar.params import FromPath, JSONBody, Parameter
 
 from chatsvc.api import generation as gen
+from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import InvalidRequestError, NotFoundError, RateLimitError
 from chatsvc.api.schemas import CreateSession, SessionList, SessionView
 from chatsvc.api.turn import UNKNOWN_SESSION, get_session
-from chatsvc.service import Services
-from chatsvc.store.records import SessionRecord, TenantRecord
+from chatsvc.store.records import SessionRecord
 
 
 def session_view(session: SessionRecord) -> SessionView:
@@ -31,7 +31,7 @@ class SessionController(Controller):
 
     @post("/", summary="Create a session", status_code=201)
     async def create_session(
-        self, data: CreateSession, services: Services, tenant: TenantRecord
+        self, data: JSONBody[CreateSession], services: ServicesDep, tenant: TenantDep
     ) -> SessionView:
         """Start a conversation on a stored system prompt, inline text, or the model's default."""
         store = services.store
@@ -58,8 +58,8 @@ class SessionController(Controller):
     @get("/", summary="List the tenant's sessions, most recently used first")
     async def list_sessions(
         self,
-        services: Services,
-        tenant: TenantRecord,
+        services: ServicesDep,
+        tenant: TenantDep,
         limit: int = Parameter(default=50, ge=1, le=500),
         cursor: str | None = Parameter(default=None, max_length=200),
     ) -> SessionList:
@@ -77,7 +77,7 @@ class SessionController(Controller):
 
     @get("/{session_id:str}", summary="Read a session")
     async def read_session(
-        self, session_id: str, services: Services, tenant: TenantRecord
+        self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> SessionView:
         session = await get_session(services, tenant, session_id)
         if session is None:
@@ -86,7 +86,7 @@ class SessionController(Controller):
 
     @delete("/{session_id:str}", summary="Delete a session and every key it has", status_code=204)
     async def delete_session(
-        self, session_id: str, services: Services, tenant: TenantRecord
+        self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> None:
         try:
             deleted = await services.store.delete_session(tenant.id, session_id)
@@ -96,7 +96,7 @@ class SessionController(Controller):
             raise NotFoundError(UNKNOWN_SESSION)
 
 
-async def _system_prompt(services: Services, tenant: TenantRecord, prompt_id: str):
+async def _system_prompt(services: ServicesDep, tenant: TenantDep, prompt_id: str):
     try:
         prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
     except ValueError:

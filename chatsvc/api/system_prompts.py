@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from litestar import Controller, get, post
+from litestar.params import FromPath, JSONBody
 
 from chatsvc.api import generation as gen
+from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import InvalidRequestError, NotFoundError
 from chatsvc.api.schemas import CreateSystemPrompt, SystemPromptList, SystemPromptView
-from chatsvc.service import Services
-from chatsvc.store.records import SystemPromptRecord, TenantRecord
+from chatsvc.store.records import SystemPromptRecord
 
 
 def prompt_view(prompt: SystemPromptRecord) -> SystemPromptView:
@@ -28,7 +29,7 @@ class SystemPromptController(Controller):
 
     @post("/", summary="Register a system prompt", status_code=201)
     async def create_prompt(
-        self, data: CreateSystemPrompt, services: Services, tenant: TenantRecord
+        self, data: JSONBody[CreateSystemPrompt], services: ServicesDep, tenant: TenantDep
     ) -> SystemPromptView:
         """A ``shared`` prompt is visible to every tenant, and the KV blocks of its
         tokens are shared across tenants: put nothing secret in it."""
@@ -43,13 +44,13 @@ class SystemPromptController(Controller):
         return prompt_view(prompt)
 
     @get("/", summary="The tenant's system prompts and every shared one")
-    async def list_prompts(self, services: Services, tenant: TenantRecord) -> SystemPromptList:
+    async def list_prompts(self, services: ServicesDep, tenant: TenantDep) -> SystemPromptList:
         prompts = await services.store.list_system_prompts(tenant.id)
         return SystemPromptList(system_prompts=[prompt_view(p) for p in prompts])
 
     @get("/{prompt_id:str}", summary="Read one system prompt")
     async def read_prompt(
-        self, prompt_id: str, services: Services, tenant: TenantRecord
+        self, prompt_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> SystemPromptView:
         try:
             prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
