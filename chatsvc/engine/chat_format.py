@@ -37,7 +37,9 @@ class ChatFormat:
         ids.extend(int(i) for i in extra)
         return tuple(dict.fromkeys(ids))  # unique, first occurrence order
 
-    def render_text(self, messages: Sequence[Mapping[str, str]], add_generation_prompt=True) -> str:
+    def render_text(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The whole conversation as the template's text."""
         _validate(messages)
         return self.tokenizer.apply_chat_template(

@@ -15,7 +15,7 @@ Every read is local (``local_files_only``): nothing is downloaded.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,11 +50,22 @@ def load_tokenizer(model_dir: Path):
 
 
 def read_config(model_dir: Path) -> ModelConfig:
-    """Parse ``config.json`` of a local Hugging Face directory."""
+    """Parse ``config.json`` of a local Hugging Face directory.
+
+    End-of-sequence ids listed only in ``generation_config.json`` (Llama 3 Instruct's
+    end-of-turn tokens, for one) are added to ``eos_token_ids``.
+    """
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json")
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        extra = json.loads(generation.read_text()).get("eos_token_id")
+        extra = [extra] if isinstance(extra, int) else list(extra or [])
+        merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(i) for i in extra)]))
+        config = replace(config, eos_token_ids=merged)
+    return config
 
 
 def load_model(

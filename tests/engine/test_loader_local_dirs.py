@@ -87,3 +87,12 @@ def test_sharded_checkpoint_with_missing_tensor_fails_clearly(tmp_path, default_
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="up_proj"):
         load_model(str(tmp_path), dtype="fp32")
+
+
+def test_generation_config_eos_ids_are_merged(tmp_path, default_tokenizer):
+    config = transformers.LlamaConfig(**SHAPE, eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7, 9]}')
+    loaded = load_model(str(tmp_path), dtype="fp32")
+    assert loaded.config.eos_token_ids == (2, 7, 9)
