@@ -77,7 +77,10 @@ def ensure_default_model() -> Path:
             # A stale conversion (other package version, or an interrupted old layout):
             # move it aside first so the final rename stays a single atomic step.
             stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=target.parent))
-            os.rename(target, stale / "old")
+            try:
+                os.rename(target, stale / "old")
+            except FileNotFoundError:
+                pass  # another process moved it aside first
             shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(staging, target)

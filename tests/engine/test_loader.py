@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -38,23 +41,44 @@ def test_default_model_shape(smollm2_fp32):
     assert w.embed.dtype == torch.float32
 
 
+def _fake_convert(gguf, out_dir):
+    # Writes what a finished conversion leaves, without the 15 s of de-quantizing.
+    for name in weights_gguf._REQUIRED_FILES[:-1]:
+        (out_dir / name).write_text(out_dir.name)
+    (out_dir / weights_gguf.SOURCE_MARKER).write_text(
+        weights_gguf.json.dumps(weights_gguf._source_record(gguf))
+    )
+
+
 def test_a_half_written_cache_dir_is_replaced_atomically(tmp_path, monkeypatch):
     monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
     target = weights_gguf.default_model_dir()
     target.mkdir()
     (target / "config.json").write_text("{}")  # an interrupted old conversion
 
-    def fake_convert(gguf, out_dir):
-        for name in weights_gguf._REQUIRED_FILES[:-1]:
-            (out_dir / name).write_text("x")
-        (out_dir / weights_gguf.SOURCE_MARKER).write_text(
-            weights_gguf.json.dumps(weights_gguf._source_record(gguf))
-        )
-
-    monkeypatch.setattr(weights_gguf, "_convert", fake_convert)
+    monkeypatch.setattr(weights_gguf, "_convert", _fake_convert)
     assert weights_gguf.ensure_default_model() == target
     assert weights_gguf.is_converted(target, weights_gguf.default_gguf_path())
     # No staging or stale directories are left beside it.
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+def test_two_converters_at_once_leave_one_complete_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    both_converting = threading.Barrier(2, timeout=60)
+
+    def convert_together(gguf, out_dir):
+        both_converting.wait()  # neither finishes before the other has started
+        _fake_convert(gguf, out_dir)
+
+    monkeypatch.setattr(weights_gguf, "_convert", convert_together)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: weights_gguf.ensure_default_model(), range(2)))
+    target = weights_gguf.default_model_dir()
+    assert results == [target, target]
+    assert weights_gguf.is_converted(target, weights_gguf.default_gguf_path())
+    # Every file comes from one staging directory: no mix of the two conversions.
+    assert len({(target / n).read_text() for n in weights_gguf._REQUIRED_FILES[:-1]}) == 1
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
 
 
