@@ -85,11 +85,16 @@ class PagedSetup:
         self.pool = pool
 
     @staticmethod
-    def bytes_needed(batch: int, context: int, args: argparse.Namespace) -> int:
+    def bytes_needed(
+        batch: int, context: int, args: argparse.Namespace, expanded: bool = False
+    ) -> int:
+        """Device bytes a config needs, with headroom; ``expanded``: + K/V at H_q heads."""
         itemsize = torch.empty((), dtype=args.dtype).element_size()
         kv = batch * context * 2 * args.kv_heads * args.head_dim * itemsize
-        # pool + contiguous copy + gather temporaries (+ GQA-expanded K/V for extend)
-        return (3 + args.q_heads // args.kv_heads) * kv
+        factor = 3  # pool + contiguous copy + gather temporaries
+        if expanded:
+            factor += args.q_heads // args.kv_heads
+        return factor * kv
 
 
 def bench_decode(args: argparse.Namespace, copy_gbs: float) -> list[str]:
@@ -156,7 +161,7 @@ def bench_extend(args: argparse.Namespace) -> list[str]:
     scale = 1 / math.sqrt(d)
     context = EXTEND_PREFIX + EXTEND_CHUNK
     for batch in EXTEND_BATCHES:
-        if not fits(PagedSetup.bytes_needed(batch, context, args)):
+        if not fits(PagedSetup.bytes_needed(batch, context, args, expanded=True)):
             rows.append(f"| {batch} | {EXTEND_CHUNK} | {EXTEND_PREFIX} | skipped | | |")
             continue
         setup = PagedSetup(batch, context, args)

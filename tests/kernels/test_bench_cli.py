@@ -23,5 +23,8 @@ def test_memory_estimate_grows_with_the_batch():
     args = bench_kernels.parse_args([])
     small = bench_kernels.PagedSetup.bytes_needed(1, 1024, args)
     assert bench_kernels.PagedSetup.bytes_needed(16, 1024, args) == 16 * small
-    # bf16, 8 KV heads x 128: 4 KiB of K+V per token, times the headroom factor.
-    assert small == 1024 * 2 * 8 * 128 * 2 * (3 + 32 // 8)
+    # bf16, 8 KV heads x 128: 4 KiB of K+V per token, times the headroom factor;
+    # extend's ideal also holds K/V expanded to the 32 query heads.
+    assert small == 1024 * 2 * 8 * 128 * 2 * 3
+    expanded = bench_kernels.PagedSetup.bytes_needed(1, 1024, args, expanded=True)
+    assert expanded == 1024 * 2 * 8 * 128 * 2 * (3 + 32 // 8)
