@@ -9,7 +9,10 @@ A block is one contiguous chunk of ``block_numel`` elements across all layers
 - Device <-> host (tier swaps): Triton cannot address host memory, so each
   block is one ``Tensor.copy_(..., non_blocking=True)``. A block is contiguous
   and the host tier is pinned when CUDA is present, so every copy is a single
-  asynchronous DMA; the caller orders later work with the stream as usual.
+  asynchronous DMA on the current stream. Device work queued after it on that
+  stream is ordered behind it; host code that reads a swapped-out block must
+  first wait for the stream (an event), since the call returns before the data
+  has landed.
 - CPU pools: the torch reference (gather, then indexed assignment).
 
 Within one pool a destination may not also be a source of the same call: the
