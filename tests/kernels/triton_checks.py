@@ -100,3 +100,30 @@ def test_copy_blocks_triton_matches_reference():
     for src, dst in pairs[:, [1, 0]].tolist():
         assert torch.equal(other[dst], case.pool[src])
     assert not other[[1, 4, 5]].any()
+
+
+def test_strided_inputs_as_the_engine_passes_them():
+    """q, k, v are column slices of one fused QKV projection: rows are strided."""
+    case = make_paged_case([12, 30], 8, 2, 64)
+    num_tokens = 5
+    qkv = torch.randn(num_tokens, 4 + 2 + 2, 64)
+    query, key, value = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    slots = torch.cat(
+        [slots_of(case, 0, torch.tensor([11])), slots_of(case, 1, torch.arange(26, 30))]
+    )
+    expected = case.pool.clone()
+    k_ref, v_ref = expected[:, 1, 0], expected[:, 1, 1]
+    kernels.write_kv(k_ref, v_ref, key, value, slots, backend="torch")
+    kernels.write_kv(case.k_cache, case.v_cache, key, value, slots, backend="triton")
+    assert torch.equal(case.pool, expected)
+
+    starts = torch.tensor([0, 1, 5], dtype=torch.int32)
+    args = (query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.125)
+    ref = kernels.paged_extend_attention(*args, backend="torch")
+    assert_close(kernels.paged_extend_attention(*args, backend="triton"), ref, torch.float32)
+
+    decode_query = qkv[:2, :4]
+    args = (decode_query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    ref = kernels.paged_decode_attention(*args, backend="torch")
+    out = kernels.paged_decode_attention(*args, backend="triton", partition_size=16)
+    assert_close(out, ref, torch.float32)
