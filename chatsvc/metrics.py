@@ -82,9 +82,6 @@ class Metrics:
             ["tier"],
             registry=r,
         )
-        self.active_streams = Gauge(
-            "chatsvc_active_generations", "Generations running now", registry=r
-        )
         self._tiers: Callable[[], dict[str, tuple[int, int]]] | None = None
 
     def sample_tiers_with(self, tiers: Callable[[], dict[str, tuple[int, int]]]) -> None:
@@ -176,7 +173,3 @@ class UsageStats:
                 k: self._view(v) for k, v in sorted(self._by["system_prompt"].items())
             },
         }
-
-
-def render_metrics(metrics: Metrics) -> tuple[bytes, str]:
-    return metrics.render(), CONTENT_TYPE
