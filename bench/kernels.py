@@ -34,14 +34,37 @@ EXTEND_CHUNK = 512
 EXTEND_PREFIX = 4096
 
 
-def cuda_median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
+def cuda_median_ms(fn: Callable[[], object], repeats: int, graphs: bool = False) -> float:
+    """Median milliseconds of ``fn`` by CUDA events, after warm-up.
+
+    With ``graphs``, ``fn`` is captured once into a CUDA graph and each repeat
+    replays it, so the figure is GPU time without Python launch overhead (which
+    otherwise dominates the small configs). A capture failure falls back to
+    eager timing, with a note on stderr.
+    """
+    for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graphs:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        except RuntimeError as exc:
+            print(f"CUDA graph capture failed, timing eagerly: {exc}", file=sys.stderr)
+            torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -127,12 +150,14 @@ def bench_decode(args: argparse.Namespace, copy_gbs: float) -> list[str]:
                     check_bounds=False,
                 ),
                 args.repeats,
+                args.graphs,
             )
             # GQA for the ideal: a KV head's query heads become SDPA's query axis.
             grouped = query.view(batch, h_kv, h_q // h_kv, d)
             ideal_ms = cuda_median_ms(
                 lambda s=setup, q=grouped: F.scaled_dot_product_attention(q, s.k, s.v, scale=scale),
                 args.repeats,
+                args.graphs,
             )
             kv_bytes = setup.k.numel() * setup.k.element_size() * 2
             gbs = kv_bytes / (paged_ms * 1e-3) / 1e9
@@ -180,6 +205,7 @@ def bench_extend(args: argparse.Namespace) -> list[str]:
                 max_query_len=EXTEND_CHUNK,
             ),
             args.repeats,
+            args.graphs,
         )
         # The ideal gets K/V expanded to H_q heads up front (outside the timing):
         # a lower-right causal mask is not combinable with SDPA's GQA flag on
@@ -195,6 +221,7 @@ def bench_extend(args: argparse.Namespace) -> list[str]:
                 q, k, v, attn_mask=m, scale=scale
             ),
             args.repeats,
+            args.graphs,
         )
         del k, v
         rows.append(
@@ -214,6 +241,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64))
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--eager",
+        dest="graphs",
+        action="store_false",
+        help="time eager launches instead of CUDA-graph replays",
+    )
     args = parser.parse_args(argv)
     if args.q_heads % args.kv_heads:
         parser.error("--q-heads must be a multiple of --kv-heads")
@@ -233,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"H_q {args.q_heads}, H_kv {args.kv_heads}, head_dim {args.head_dim}, "
         f"block_size {args.block_size}, {str(args.dtype).removeprefix('torch.')}; "
-        f"medians of {args.repeats} runs. Device copy bandwidth (read + write): "
+        f"medians of {args.repeats} {'CUDA-graph replays' if args.graphs else 'eager runs'}. "
+        "Device copy bandwidth (read + write): "
         f"{copy_gbs:.0f} GB/s.\n"
     )
     print("### Decode\n")

@@ -28,3 +28,8 @@ def test_memory_estimate_grows_with_the_batch():
     assert small == 1024 * 2 * 8 * 128 * 2 * 3
     expanded = bench_kernels.PagedSetup.bytes_needed(1, 1024, args, expanded=True)
     assert expanded == 1024 * 2 * 8 * 128 * 2 * (3 + 32 // 8)
+
+
+def test_graph_replays_by_default_and_eager_on_request():
+    assert bench_kernels.parse_args([]).graphs is True
+    assert bench_kernels.parse_args(["--eager"]).graphs is False
