@@ -96,21 +96,23 @@ def check_block_tables(
     lens = context_lens.long()
     lower = torch.ones_like(lens) if min_context_lens is None else min_context_lens.long()
     capacity = block_tables.shape[1] * block_size
-    bad = (lens < lower) | (lens > capacity)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"context_lens[{b}] = {int(lens[b])} is outside [{int(lower[b])}, {capacity}] "
-            f"(the table holds {block_tables.shape[1]} blocks of {block_size} tokens)"
-        )
-    used_blocks = (lens + block_size - 1) // block_size
+    bad_lens = (lens < lower) | (lens > capacity)
+    used_blocks = (lens.clamp(0, capacity) + block_size - 1) // block_size
     column = torch.arange(block_tables.shape[1], device=block_tables.device)
     in_use = column[None, :] < used_blocks[:, None]
     ids = block_tables.long()
     bad_ids = in_use & ((ids < 0) | (ids >= num_blocks))
-    if bool(bad_ids.any()):
-        b, i = (int(x) for x in bad_ids.nonzero()[0])
+    # One host sync when all is well; the diagnosis below only runs on failure.
+    if not bool(bad_lens.any() | bad_ids.any()):
+        return
+    if bool(bad_lens.any()):
+        b = int(bad_lens.nonzero()[0, 0])
         raise ValueError(
-            f"block_tables[{b}, {i}] = {int(ids[b, i])} is not a block of the pool "
-            f"(num_blocks = {num_blocks})"
+            f"context_lens[{b}] = {int(lens[b])} is outside [{int(lower[b])}, {capacity}] "
+            f"(the table holds {block_tables.shape[1]} blocks of {block_size} tokens)"
         )
+    b, i = (int(x) for x in bad_ids.nonzero()[0])
+    raise ValueError(
+        f"block_tables[{b}, {i}] = {int(ids[b, i])} is not a block of the pool "
+        f"(num_blocks = {num_blocks})"
+    )
