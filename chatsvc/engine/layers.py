@@ -74,9 +74,13 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-def can_prepack(device: torch.device) -> bool:
-    """Whether oneDNN weight prepacking is available (CPU builds with mkldnn)."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN weight prepacking is available: a CPU build with mkldnn, fp32 or bf16."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def prepack(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor:

@@ -72,13 +72,15 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
         if prepack_weights is None:
-            prepack_weights = can_prepack(self.device)
+            prepack_weights = can_prepack(self.device, self.dtype)
         self.prepacked = bool(prepack_weights)
         self._linear, self._linear_add = linear, linear_add
         self._lm_head = weights.lm_head
         if self.prepacked:
-            if not can_prepack(self.device):
-                raise ValueError("weight prepacking needs a CPU build with oneDNN (mkldnn)")
+            if not can_prepack(self.device, self.dtype):
+                raise ValueError(
+                    "weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)"
+                )
             self._linear, self._linear_add = packed_linear, packed_linear_add
             for layer in weights.layers:
                 layer.qkv_weight = prepack(layer.qkv_weight)

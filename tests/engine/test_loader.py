@@ -173,3 +173,10 @@ def test_dtype_resolution():
         resolve_dtype("int4", "cpu")
     with pytest.raises(ValueError):
         resolve_dtype(torch.int64, "cpu")
+
+
+def test_prepacking_is_refused_where_onednn_cannot_do_it():
+    half = load_model("random:tiny-llama", dtype="fp16")
+    assert not half.model.prepacked  # auto: fp16 stays plain
+    with pytest.raises(ValueError, match="prepacking"):
+        load_model("random:tiny-llama", dtype="fp16", prepack_weights=True)
