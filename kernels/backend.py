@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kernels.triton_compat import HAS_TRITON, tl
+
 BACKENDS = ("auto", "torch", "triton")
 ENV_VAR = "CHATSVC_KERNEL_BACKEND"
 
@@ -36,6 +38,8 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
 def runnable(kernel: Any, device: torch.device) -> Any:
     """The launchable ``@triton.jit`` kernel for tensors on ``device``."""
+    if not HAS_TRITON:
+        raise ValueError("triton is not installed: use backend='torch'")
     if device.type == "cuda" or type(kernel).__name__ == "InterpretedFunction":
         return kernel
     raise ValueError(
@@ -51,8 +55,6 @@ def dot_dtype(tensor: torch.Tensor) -> Any:
     interpreter's ``tl.dot`` mis-handles bf16 operands, so interpreted runs
     upcast them to fp32; the softmax and accumulation are fp32 either way.
     """
-    import triton.language as tl
-
     if tensor.device.type != "cuda" or tensor.dtype == torch.float32:
         return tl.float32
     return tl.bfloat16 if tensor.dtype == torch.bfloat16 else tl.float16

@@ -23,10 +23,9 @@ Triton launch gives no order between pairs. Copy-on-write never needs that
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.backend import runnable
+from kernels.triton_compat import tl, triton
 from kernels.validate import FLOAT_DTYPES, INDEX_DTYPES
 
 _CHUNK = 4096

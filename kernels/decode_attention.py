@@ -24,12 +24,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.backend import dot_dtype, runnable
 from kernels.decode_split import choose_partition, merge_partitions
 from kernels.paged_gather import batch_block_ids, gather_tokens, masked_scores_bias
+from kernels.triton_compat import tl, triton
 from kernels.validate import (
     check_block_tables,
     check_index,

@@ -15,10 +15,9 @@ max and merges: ``out = sum_p w_p acc_p / sum_p w_p`` with
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.backend import runnable
+from kernels.triton_compat import tl, triton
 
 
 @triton.jit

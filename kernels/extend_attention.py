@@ -21,11 +21,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.backend import dot_dtype, runnable
 from kernels.paged_gather import gather_tokens, masked_scores_bias
+from kernels.triton_compat import tl, triton
 from kernels.validate import (
     check_block_tables,
     check_index,

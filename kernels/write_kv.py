@@ -8,10 +8,9 @@ not stored (padding). The caches are one layer's strided views of the pool
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.backend import runnable
+from kernels.triton_compat import tl, triton
 from kernels.validate import check_index, check_kv_caches
 
 
