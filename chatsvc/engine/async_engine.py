@@ -175,6 +175,11 @@ class AsyncEngine:
         with self._lock:
             commands, self._commands = self._commands, []
         for kind, (payload, future) in commands:
+            # A caller cancelled while its command waited: wrap_future cancelled the
+            # Future too, and completing it now would raise in this thread. A skipped
+            # "add" is harmless: the caller's finally already queued its abort.
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue
             try:
                 if kind == "add":
                     result = engine.add_request(payload)

@@ -21,6 +21,11 @@ def _request(engine, request_id, max_tokens=6, question="Name a color."):
     return GenerationRequest(request_id, tokens, SamplingParams(max_tokens, 0.0), NS)
 
 
+async def consume_quietly(engine, request_id):
+    async for _ in engine.generate(_request(engine, request_id, max_tokens=40)):
+        pass
+
+
 def test_stream_cancel_and_refuse(smollm2_fp32):
     async def scenario():
         config = EngineConfig(dtype="fp32", num_gpu_blocks=32, debug_checks=True)
@@ -62,6 +67,18 @@ def test_stream_cancel_and_refuse(smollm2_fp32):
                 await task
             assert engine.cache_stats()["device"]["used"] == 0
             engine.check_integrity()
+
+            # Cancelled while its "add" still waits for the engine thread: the thread
+            # must skip the cancelled command and keep serving later requests.
+            for attempt in range(3):
+                early = asyncio.create_task(consume_quietly(engine, f"early{attempt}"))
+                await asyncio.sleep(0)
+                early.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await early
+            after = [d async for d in engine.generate(_request(engine, "after", 3))]
+            assert after[-1].finish_reason in ("stop", "length")
+            assert engine.cache_stats()["device"]["used"] == 0
 
             # A request that can never fit gets a clear error, and nothing changes.
             huge = _request(engine, "e", max_tokens=2000)
