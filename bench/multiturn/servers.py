@@ -64,6 +64,12 @@ def build_spec(
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    if threads is None and system == "hf":
+        # Plain `transformers serve` runs one generate() thread per request; with torch's
+        # default intra-op threads each, 8 concurrent requests oversubscribe 2 cores and
+        # run ~7x slower than with one thread each (measured: docs/benchmarks.md). The
+        # peer gets its faster setting.
+        threads = 1
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     host = ("--host", "127.0.0.1", "--port", str(port))

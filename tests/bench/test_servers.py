@@ -23,6 +23,8 @@ def test_specs_of_every_system(tmp_path):
     assert cb.argv[-1] == "--continuous-batching"
     assert hf.env["HF_HUB_OFFLINE"] == "1" and hf.env["OMP_NUM_THREADS"] == "2"
     assert hf.model == str(tmp_path / "m") and hf.admin_cache_path is None
+    # Thread-per-request plain serving gets one intra-op thread unless told otherwise.
+    assert build_spec("hf", tmp_path, 1, tmp_path).env["OMP_NUM_THREADS"] == "1"
     for spec in (ours, hf):
         assert "127.0.0.1" in spec.argv
 
