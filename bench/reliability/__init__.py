@@ -1,0 +1,1 @@
+"""Reliability scripts: crash loop (SIGKILL during streams) and soak (leaks, stability)."""
