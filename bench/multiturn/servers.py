@@ -64,11 +64,11 @@ def build_spec(
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    if threads is None and system == "hf":
-        # Plain `transformers serve` runs one generate() thread per request; with torch's
-        # default intra-op threads each, 8 concurrent requests oversubscribe 2 cores and
-        # run ~7x slower than with one thread each (measured: docs/benchmarks.md). The
-        # peer gets its faster setting.
+    if threads is None and system in ("hf", "hf-cb"):
+        # Both peers run generation in threads beside the server's (one per request for
+        # plain serving, a batching loop for --continuous-batching); with torch's default
+        # intra-op threads each, they oversubscribe 2 cores and ran 4-7x slower here than
+        # with one thread (docs/benchmarks.md). The peers get their faster setting.
         threads = 1
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench.multiturn.runner import resolve_model_dir
@@ -23,8 +25,10 @@ def test_specs_of_every_system(tmp_path):
     assert cb.argv[-1] == "--continuous-batching"
     assert hf.env["HF_HUB_OFFLINE"] == "1" and hf.env["OMP_NUM_THREADS"] == "2"
     assert hf.model == str(tmp_path / "m") and hf.admin_cache_path is None
-    # Thread-per-request plain serving gets one intra-op thread unless told otherwise.
+    # The peers get one intra-op thread unless told otherwise; ours keeps torch's default.
     assert build_spec("hf", tmp_path, 1, tmp_path).env["OMP_NUM_THREADS"] == "1"
+    assert cb.env["OMP_NUM_THREADS"] == "1"
+    assert ours.env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
     for spec in (ours, hf):
         assert "127.0.0.1" in spec.argv
 
