@@ -15,7 +15,7 @@ from .errors import (
 from .hashing import BlockHasher
 from .manager import KVCacheManager
 from .namespace import PUBLIC, Namespace
-from .plan import AllocResult, AppendResult, CachePlan
+from .plan import AllocResult, AppendResult, CachePlan, PrefixMatch
 from .prefix_index import PrefixIndex, PrefixNode
 from .stats import CacheStats
 
@@ -35,6 +35,7 @@ __all__ = [
     "OutOfBlocksError",
     "PUBLIC",
     "PrefixIndex",
+    "PrefixMatch",
     "PrefixNode",
     "UnknownSequenceError",
 ]

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from .block_table import BlockTable
 from .errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError
+from .hashing import ROOT_HASH
 from .integrity import check_integrity
 from .matching import PrefixMatcher
 from .namespace import Namespace
-from .plan import EMPTY_PLAN, AllocResult, AppendResult, PlanBuilder
+from .pending import PendingBlocks
+from .plan import EMPTY_PLAN, AllocResult, AppendResult, PlanBuilder, PrefixMatch
 from .prefix_index import DEVICE, HOST
 from .sequence import Sequence
 from .stats import CacheStats
@@ -59,6 +61,7 @@ class KVCacheManager:
         self.stats = CacheStats()
         self.tiers = TieredBlocks(num_blocks, num_host_blocks, self.stats)
         self._matcher = PrefixMatcher(self.tiers, block_size)
+        self.pending = PendingBlocks(block_size)
         self._seqs: dict[object, Sequence] = {}
 
     # -- queries ------------------------------------------------------------------
@@ -86,6 +89,35 @@ class KVCacheManager:
         tokens = _checked_tokens(token_ids)
         self._check_prompt(tokens, namespace)
         return self._blocks_needed(tokens, self._match(tokens, namespace))
+
+    def num_matched_tokens(self, token_ids, namespace: Namespace) -> int:
+        """Leading prompt tokens ``allocate`` would take from the cache now.
+
+        A multiple of block_size, never including the last prompt token (its
+        KV must be computed for the logits). Changes nothing, not even LRU order.
+        """
+        tokens = _checked_tokens(token_ids)
+        self._check_prompt(tokens, namespace)
+        return len(self._match(tokens, namespace)) * self.block_size
+
+    def match_prefix(self, token_ids, namespace: Namespace) -> PrefixMatch:
+        """Cached prefix, the pending blocks right after it, and the blocks needed.
+
+        Pending tokens are those whose blocks another live sequence was
+        allocated for and has not computed yet; admitting this prompt once they
+        are written turns them into cache hits. Changes nothing.
+        """
+        tokens = _checked_tokens(token_ids)
+        self._check_prompt(tokens, namespace)
+        matched = self._match(tokens, namespace)
+        num_pending = 0
+        if self.enable_prefix_cache:
+            parent_hash = matched[-1].hash if matched else ROOT_HASH
+            num_pending = self.pending.extent(tokens, namespace, len(matched), parent_hash)
+        bs = self.block_size
+        return PrefixMatch(
+            len(matched) * bs, num_pending * bs, self._blocks_needed(tokens, matched)
+        )
 
     def block_table(self, seq_id) -> list[int]:
         return list(self._seq(seq_id).table.block_ids)
@@ -148,9 +180,10 @@ class KVCacheManager:
 
         num_cached = len(matched) * self.block_size
         last_node = matched[-1] if matched else tiers.index.root
-        self._seqs[seq_id] = Sequence(
-            seq_id, tokens, table, namespace, num_cached, len(matched), last_node
-        )
+        seq = Sequence(seq_id, tokens, table, namespace, num_cached, len(matched), last_node)
+        if self.enable_prefix_cache:
+            self.pending.register(seq, last_node.hash, len(matched))
+        self._seqs[seq_id] = seq
         self._after_mutation()
         return AllocResult(num_cached, plan.build())
 
@@ -244,8 +277,10 @@ class KVCacheManager:
                 f"for {seq_id!r}, got {num_tokens!r}"
             )
         seq.num_computed = num_tokens
+        num_full = num_tokens // self.block_size
+        if seq.pending:
+            self.pending.resolve(seq, num_full)
         if self.enable_prefix_cache and not seq.index_stopped:
-            num_full = num_tokens // self.block_size
             if num_full > seq.num_indexed:
                 self.tiers.index.advance()
                 self._matcher.index_computed(seq, num_full)
@@ -272,6 +307,8 @@ class KVCacheManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(seq_id)
+        if seq.pending:
+            self.pending.drop(seq)
         tiers = self.tiers
         tiers.index.advance()
         tiers.unref_blocks(seq.table.block_ids)
@@ -283,30 +320,17 @@ class KVCacheManager:
 
     def stats_snapshot(self) -> dict:
         """Counters plus tier usage, as a JSON-able dict."""
-        tiers = self.tiers
-        device = tiers.device
-        num_referenced = sum(1 for count in device.refcounts if count)
-        num_host_used = tiers.host.num_blocks - tiers.host.num_free
         snapshot = self.stats.snapshot()
-        snapshot["device"] = {
-            "total": device.num_blocks,
-            "free": device.num_free,
-            "used": num_referenced,
-            "cached": device.num_blocks - device.num_free - num_referenced,
-            "evictable": tiers.num_evictable,
-        }
-        snapshot["host"] = {
-            "total": tiers.host.num_blocks,
-            "free": tiers.host.num_free,
-            "used": num_host_used,
-        }
-        snapshot["indexed_blocks"] = len(tiers.index)
+        snapshot.update(self.tiers.usage())
         snapshot["num_sequences"] = len(self._seqs)
+        snapshot["pending_blocks"] = len(self.pending)
         return snapshot
 
     def check_integrity(self) -> None:
         """Raise CacheIntegrityError if any bookkeeping invariant is broken."""
-        check_integrity(self.tiers, self._seqs.values(), self.block_size)
+        seqs = list(self._seqs.values())
+        check_integrity(self.tiers, seqs, self.block_size)
+        self.pending.check(seqs)
 
     def _seq(self, seq_id) -> Sequence:
         seq = self._seqs.get(seq_id)

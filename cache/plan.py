@@ -59,3 +59,18 @@ class AppendResult(NamedTuple):
 
     slots: list[int]
     plan: CachePlan
+
+
+class PrefixMatch(NamedTuple):
+    """What ``allocate`` would find for a prompt now (``KVCacheManager.match_prefix``).
+
+    num_cached_tokens: leading prompt tokens ``allocate`` would map onto cached
+        blocks (a multiple of block_size; never the last prompt token).
+    num_pending_tokens: tokens right after those whose blocks other sequences
+        are computing now: they become cached once those prefills pass them.
+    num_blocks_needed: as ``num_blocks_needed``; exact for ``can_allocate``.
+    """
+
+    num_cached_tokens: int
+    num_pending_tokens: int
+    num_blocks_needed: int

@@ -26,6 +26,8 @@ class Sequence:
         identical copy of the block (see PrefixNode.pins).
     index_stopped: a hash collision ended indexing for this sequence; its
         later blocks stay private.
+    pending: chained hashes of the prompt blocks ``[pending_start, ...)`` this
+        sequence is computing and has not written yet (see ``cache.pending``).
     """
 
     __slots__ = (
@@ -38,6 +40,8 @@ class Sequence:
         "last_node",
         "pinned",
         "index_stopped",
+        "pending",
+        "pending_start",
     )
 
     def __init__(
@@ -59,6 +63,8 @@ class Sequence:
         self.last_node = last_node
         self.pinned: list[PrefixNode] = []
         self.index_stopped = False
+        self.pending: list[bytes] = []
+        self.pending_start = num_indexed
 
     def fork(self, child_id) -> Sequence:
         """A copy sharing nothing mutable; the caller adds the block references."""
@@ -73,4 +79,6 @@ class Sequence:
         )
         child.pinned = list(self.pinned)
         child.index_stopped = self.index_stopped
+        # The parent alone announces its pending blocks; the child never owns them.
+        child.pending_start = self.pending_start
         return child

@@ -53,6 +53,26 @@ class TieredBlocks:
     def _num_referenced(self) -> int:
         return sum(1 for count in self.device.refcounts if count)
 
+    def usage(self) -> dict:
+        """Occupancy of both tiers and the index size, JSON-able (for stats snapshots)."""
+        device, host = self.device, self.host
+        num_referenced = self._num_referenced()
+        return {
+            "device": {
+                "total": device.num_blocks,
+                "free": device.num_free,
+                "used": num_referenced,
+                "cached": device.num_blocks - device.num_free - num_referenced,
+                "evictable": self.num_evictable,
+            },
+            "host": {
+                "total": host.num_blocks,
+                "free": host.num_free,
+                "used": host.num_blocks - host.num_free,
+            },
+            "indexed_blocks": len(self.index),
+        }
+
     # -- references ---------------------------------------------------------------
 
     def ref_node(self, node: PrefixNode) -> None:

@@ -39,6 +39,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         self.data = {}
         self.next_id = 0
+        self.prompts = {}  # seq_id -> (prompt, namespace) of sequences made by allocate
 
     def _apply(self, plan):
         bs = self.bs
@@ -76,6 +77,9 @@ class CacheMachine(RuleBasedStateMachine):
         seq_id = self.next_id
         self.next_id += 1
         needed = self.mgr.num_blocks_needed(tokens, ns)
+        match = self.mgr.match_prefix(tokens, ns)
+        assert match.num_blocks_needed == needed
+        assert match.num_cached_tokens == self.mgr.num_matched_tokens(tokens, ns)
         if not self.mgr.can_allocate(needed):
             before = copy.deepcopy(self.mgr.stats_snapshot())
             try:
@@ -86,6 +90,8 @@ class CacheMachine(RuleBasedStateMachine):
             raise AssertionError("allocate succeeded although can_allocate said no")
         result = self.mgr.allocate(seq_id, tokens, ns)
         self._apply(result.plan)
+        self.prompts[seq_id] = (tokens, ns)
+        assert result.num_cached_tokens == match.num_cached_tokens
         assert result.num_cached_tokens % self.bs == 0
         assert result.num_cached_tokens < len(tokens)
         assert self.mgr.num_computed_tokens(seq_id) == result.num_cached_tokens
@@ -128,7 +134,9 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr.seq_ids)
     @rule(data=st.data())
     def free(self, data):
-        self.mgr.free(self._seq(data))
+        seq_id = self._seq(data)
+        self.mgr.free(seq_id)
+        self.prompts.pop(seq_id, None)
 
     @rule(size=st.integers(1, 40))
     def pressure(self, size):
@@ -140,6 +148,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         self._apply(self.mgr.allocate(seq_id, tokens, NAMESPACES[2]).plan)
         self.mgr.free(seq_id)
+
+    @invariant()
+    def live_prompts_are_cached_or_pending(self):
+        # A live prompt's full blocks are indexed once computed (by it or by another
+        # sequence) and announced as pending before that: a probe one token longer
+        # sees every one of them as either cached or pending.
+        if not hasattr(self, "mgr") or not self.mgr.enable_prefix_cache:
+            return
+        for prompt, ns in self.prompts.values():
+            match = self.mgr.match_prefix(prompt + [0], ns)
+            full = len(prompt) // self.bs * self.bs
+            assert match.num_cached_tokens + match.num_pending_tokens == full, (
+                f"prompt of {len(prompt)} tokens: {match.num_cached_tokens} cached + "
+                f"{match.num_pending_tokens} pending, expected {full}"
+            )
 
     @invariant()
     def every_sequence_sees_its_own_kv(self):
