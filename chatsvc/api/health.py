@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Response, get
+from litestar.openapi.datastructures import ResponseSpec
 
 from chatsvc.api.deps import ServicesDep
 from chatsvc.api.schemas import Health
@@ -13,7 +14,12 @@ async def healthz() -> Health:
     return Health(status="ok")
 
 
-@get("/readyz", summary="Redis answers PING and the engine is started", tags=["health"])
+@get(
+    "/readyz",
+    summary="Redis answers PING and the engine is started",
+    tags=["health"],
+    responses={503: ResponseSpec(Health, description="Not ready", generate_examples=False)},
+)
 async def readyz(services: ServicesDep) -> Response[Health]:
     """200 when both are ready, else 503 with the failing check named."""
     checks = {"engine": "ok" if services.engine_started else "not started"}

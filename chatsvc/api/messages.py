@@ -66,7 +66,11 @@ class MessageController(Controller):
         # fixed media type and each branch sends its own Content-Type.
         return Response(result)
 
-    @get("/", summary="The session's history, oldest first")
+    @get(
+        "/",
+        summary="The session's history, oldest first",
+        responses=documented_errors(400, 401, 404, 503),
+    )
     async def list_messages(
         self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> MessageList:

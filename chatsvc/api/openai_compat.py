@@ -48,7 +48,7 @@ class OpenAIController(Controller):
     path = "/v1"
     tags = ["openai"]
 
-    @get("/models", summary="The served model")
+    @get("/models", summary="The served model", responses=documented_errors(400, 401, 503))
     async def list_models(self, services: ServicesDep, tenant: TenantDep) -> ModelList:
         return ModelList(data=[Model(id=services.engine.model_name, created=services.started)])
 

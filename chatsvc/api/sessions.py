@@ -7,7 +7,12 @@ from litestar.params import FromPath, JSONBody, Parameter
 
 from chatsvc.api import generation as gen
 from chatsvc.api.deps import ServicesDep, TenantDep
-from chatsvc.api.errors import InvalidRequestError, NotFoundError, RateLimitError
+from chatsvc.api.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitError,
+    documented_errors,
+)
 from chatsvc.api.schemas import CreateSession, SessionList, SessionView
 from chatsvc.api.turn import UNKNOWN_SESSION, get_session
 from chatsvc.store.records import SessionRecord
@@ -29,7 +34,12 @@ class SessionController(Controller):
     path = "/sessions"
     tags = ["sessions"]
 
-    @post("/", summary="Create a session", status_code=201)
+    @post(
+        "/",
+        summary="Create a session",
+        status_code=201,
+        responses=documented_errors(400, 401, 404, 413, 429, 503),
+    )
     async def create_session(
         self, data: JSONBody[CreateSession], services: ServicesDep, tenant: TenantDep
     ) -> SessionView:
@@ -55,7 +65,11 @@ class SessionController(Controller):
             raise InvalidRequestError(str(exc)) from None
         return session_view(session)
 
-    @get("/", summary="List the tenant's sessions, most recently used first")
+    @get(
+        "/",
+        summary="List the tenant's sessions, most recently used first",
+        responses=documented_errors(400, 401, 503),
+    )
     async def list_sessions(
         self,
         services: ServicesDep,
@@ -75,7 +89,11 @@ class SessionController(Controller):
             next_cursor=None if next_cursor is None else str(next_cursor),
         )
 
-    @get("/{session_id:str}", summary="Read a session")
+    @get(
+        "/{session_id:str}",
+        summary="Read a session",
+        responses=documented_errors(400, 401, 404, 503),
+    )
     async def read_session(
         self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> SessionView:
@@ -84,7 +102,12 @@ class SessionController(Controller):
             raise NotFoundError(UNKNOWN_SESSION)
         return session_view(session)
 
-    @delete("/{session_id:str}", summary="Delete a session and every key it has", status_code=204)
+    @delete(
+        "/{session_id:str}",
+        summary="Delete a session and every key it has",
+        status_code=204,
+        responses=documented_errors(400, 401, 404, 503),
+    )
     async def delete_session(
         self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> None:

@@ -7,7 +7,7 @@ from litestar.params import FromPath, JSONBody
 
 from chatsvc.api import generation as gen
 from chatsvc.api.deps import ServicesDep, TenantDep
-from chatsvc.api.errors import InvalidRequestError, NotFoundError
+from chatsvc.api.errors import InvalidRequestError, NotFoundError, documented_errors
 from chatsvc.api.schemas import CreateSystemPrompt, SystemPromptList, SystemPromptView
 from chatsvc.store.records import SystemPromptRecord
 
@@ -27,7 +27,12 @@ class SystemPromptController(Controller):
     path = "/system-prompts"
     tags = ["system prompts"]
 
-    @post("/", summary="Register a system prompt", status_code=201)
+    @post(
+        "/",
+        summary="Register a system prompt",
+        status_code=201,
+        responses=documented_errors(400, 401, 413, 503),
+    )
     async def create_prompt(
         self, data: JSONBody[CreateSystemPrompt], services: ServicesDep, tenant: TenantDep
     ) -> SystemPromptView:
@@ -43,12 +48,20 @@ class SystemPromptController(Controller):
             raise InvalidRequestError(str(exc)) from None
         return prompt_view(prompt)
 
-    @get("/", summary="The tenant's system prompts and every shared one")
+    @get(
+        "/",
+        summary="The tenant's system prompts and every shared one",
+        responses=documented_errors(400, 401, 503),
+    )
     async def list_prompts(self, services: ServicesDep, tenant: TenantDep) -> SystemPromptList:
         prompts = await services.store.list_system_prompts(tenant.id)
         return SystemPromptList(system_prompts=[prompt_view(p) for p in prompts])
 
-    @get("/{prompt_id:str}", summary="Read one system prompt")
+    @get(
+        "/{prompt_id:str}",
+        summary="Read one system prompt",
+        responses=documented_errors(400, 401, 404, 503),
+    )
     async def read_prompt(
         self, prompt_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> SystemPromptView:

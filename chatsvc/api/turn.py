@@ -4,8 +4,8 @@ Life of a turn (the order is what keeps Redis consistent):
 
     validate body            -> 400, nothing touched
     load session             -> 404
-    take a generation slot   -> 429
     take the turn lock       -> 409 (another turn of this session is running)
+    take a generation slot   -> 429
     reload session, build the prompt, fit the context -> 400, lock released
     generate (streamed or not)
     on finish: append_turn (user + assistant + token history in one MULTI/EXEC)
@@ -79,12 +79,15 @@ async def begin_turn(
     )
     if await get_session(services, tenant, session_id) is None:
         raise NotFoundError(UNKNOWN_SESSION)
-    slot = gen.StreamSlot(services, tenant.id)
+    # The lock comes before the slot: clients racing on one session get 409 and
+    # never hold one of the tenant's generation slots while they lose the race.
+    lock_cm = store.turn_lock(tenant.id, session_id)
+    await lock_cm.__aenter__()
     try:
-        lock_cm = store.turn_lock(tenant.id, session_id)
-        await lock_cm.__aenter__()
+        slot = gen.StreamSlot(services, tenant.id)
     except BaseException:
-        slot.release()
+        with anyio.CancelScope(shield=True):
+            await lock_cm.__aexit__(None, None, None)
         raise
     hold = TurnHold(slot, lock_cm)
     try:
