@@ -13,13 +13,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     from chatsvc.api.app import create_app
     from chatsvc.config import Settings
+    from chatsvc.logs import configure_logging
 
     settings = Settings.from_env().with_overrides(host=args.host, port=args.port)
+    configure_logging(args.log_level, log_text=settings.log_text)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
+        # Logging is configured above (request ids on every line); uvicorn keeps out.
+        log_config=None,
         # Streams end on their own; this only bounds how long shutdown waits.
         timeout_graceful_shutdown=10,
     )

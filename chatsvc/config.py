@@ -36,6 +36,8 @@ class Limits:
     max_n: int = 8
     max_sessions_per_tenant: int = 10_000
     max_streams_per_tenant: int = 8
+    # Seconds a request body may stall between chunks before 408 (slow-loris guard).
+    body_read_timeout_s: int = 30
 
     def validate(self) -> None:
         for name, value in vars(self).items():
@@ -63,6 +65,8 @@ class Settings:
     admin_key: str | None = None
     api_keys: tuple[tuple[str, str], ...] = ()
     limits: Limits = field(default_factory=Limits)
+    # Opt-in debugging aid: log prompt and completion text (off: lengths only).
+    log_text: bool = False
     # None = EngineConfig.from_env() at start-up; tests pass a small config.
     engine: Any = None
 
@@ -136,6 +140,7 @@ class Settings:
             admin_key=get("ADMIN_KEY"),
             api_keys=parse_api_keys(get("API_KEYS") or ""),
             limits=limits,
+            log_text=_parse_bool(ENV_PREFIX + "LOG_TEXT", get("LOG_TEXT")),
         ).validate()
 
 
@@ -159,6 +164,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _parse_bool(name: str, raw: str | None) -> bool:
+    if raw is None:
+        return False
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name} must be a boolean (1/0, true/false), got {raw!r}")
 
 
 def _parse_int(name: str, raw: str | None, default: int) -> int:

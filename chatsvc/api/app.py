@@ -13,6 +13,7 @@ from litestar.openapi import OpenAPIConfig
 import chatsvc
 from chatsvc.api.admin import AdminController
 from chatsvc.api.auth import provide_tenant
+from chatsvc.api.body_timeout import body_timeout_middleware
 from chatsvc.api.errors import EXCEPTION_HANDLERS
 from chatsvc.api.health import healthz, readyz
 from chatsvc.api.messages import MessageController
@@ -20,6 +21,7 @@ from chatsvc.api.openai_compat import OpenAIController
 from chatsvc.api.sessions import SessionController
 from chatsvc.api.system_prompts import SystemPromptController
 from chatsvc.config import Settings
+from chatsvc.logs import RequestIdMiddleware
 from chatsvc.service import Services, running_services
 
 
@@ -53,6 +55,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "tenant": Provide(provide_tenant),
         },
         exception_handlers=EXCEPTION_HANDLERS,
+        # Outermost first: the request id is set before anything can log.
+        middleware=[
+            RequestIdMiddleware,
+            body_timeout_middleware(settings.limits.body_read_timeout_s),
+        ],
         lifespan=[lifespan],
         request_max_body_size=settings.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(

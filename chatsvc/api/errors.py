@@ -117,6 +117,7 @@ def _http(_: Request, exc: HTTPException) -> Response:
         403: "permission_error",
         404: "not_found_error",
         405: "method_not_allowed",
+        408: "request_timeout",
         413: "request_too_large",
         429: "rate_limit_error",
     }

@@ -18,6 +18,7 @@ retried message never sees a half answer in its context.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -26,11 +27,13 @@ import anyio
 from chatsvc.api import generation as gen
 from chatsvc.api.errors import NotFoundError, ServiceUnavailableError
 from chatsvc.api.schemas import MessageView, PostMessage, Timings, TurnResult, Usage
+from chatsvc.logs import text_for_log
 from chatsvc.service import Services
 from chatsvc.store.records import MessageRecord, SessionRecord, TenantRecord
 from chatsvc.store.records import Usage as UsageRecord
 
 UNKNOWN_SESSION = "no such session"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,6 +159,21 @@ async def run_turn(
             services.metrics.observe_failure("session_turn", "aborted")
             raise ServiceUnavailableError("the generation was aborted; the turn was not stored")
         result = await _store_turn(services, tenant, turn, sample)
+        m = sample.metrics
+        log.info(
+            "turn stored: session %s, engine request %s, %d prompt tokens (%d cached), "
+            "%d completion tokens",
+            turn.session.id,
+            turn.request.request_id,
+            m.prompt_tokens,
+            m.cached_prompt_tokens,
+            m.completion_tokens,
+        )
+        log.debug(
+            "turn text: user %s, assistant %s",
+            text_for_log(turn.user.text),
+            text_for_log(sample.text),
+        )
         gen.record_finished(services, "session_turn", turn.request.labels, [sample])
         yield result
     finally:

@@ -1,0 +1,212 @@
+"""A live service for the reliability suites: real model, real Redis, real HTTP.
+
+One server for the whole test session, with tight limits so that hostile input
+and limit tests are cheap, and four tenants so that suites do not share state:
+
+- ``acme`` and ``globex``: ordinary tenants (isolation, concurrency, logs);
+- ``fuzz``: the schema-driven fuzzer's tenant (it creates sessions at random);
+- ``carol``: the tenant that runs into the per-tenant limits on purpose.
+
+Tests create their own sessions and use unique texts, so they do not depend on
+each other's order. ``start_server`` starts another one with other limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+
+from chatsvc.config import Limits, Settings
+from tests.api.live_server import ThreadServer
+from tests.redis_server import unique_prefix
+
+ACME_KEY = "acme-reliability-key-01"
+GLOBEX_KEY = "globex-reliability-key-02"
+FUZZ_KEY = "fuzz-reliability-key-03"
+CAROL_KEY = "carol-reliability-key-04"
+ADMIN_KEY = "admin-reliability-key-05"
+TENANT_KEYS = {"acme": ACME_KEY, "globex": GLOBEX_KEY, "fuzz": FUZZ_KEY, "carol": CAROL_KEY}
+MAX_MODEL_LEN = 1024
+
+# Small caps keep every generation short (the fuzzer sends thousands of requests
+# on two cores) and make each limit reachable by a test in a few requests.
+RELIABILITY_LIMITS = Limits(
+    max_body_bytes=32_000,
+    max_message_chars=4_000,
+    max_tokens_cap=32,
+    max_n=2,
+    max_sessions_per_tenant=200,
+    max_streams_per_tenant=4,
+)
+
+
+def engine_config():
+    from chatsvc.engine import EngineConfig
+
+    return EngineConfig(
+        model="smollm2",
+        block_size=16,
+        num_gpu_blocks=384,
+        num_host_blocks=32,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+    )
+
+
+@contextlib.contextmanager
+def start_server(redis_url: str, limits: Limits = RELIABILITY_LIMITS) -> Iterator[ThreadServer]:
+    """A live in-process server on its own key prefix (``server.prefix``)."""
+    from chatsvc.api.app import create_app
+
+    prefix = unique_prefix("rel")
+    settings = Settings(
+        redis_url=redis_url,
+        key_prefix=prefix,
+        admin_key=ADMIN_KEY,
+        api_keys=tuple(TENANT_KEYS.items()),
+        limits=limits,
+        engine=engine_config(),
+    )
+    with ThreadServer(create_app(settings)) as server:
+        server.prefix = prefix
+        yield server
+
+
+@pytest.fixture(scope="session")
+def server(redis_server) -> Iterator[ThreadServer]:
+    with start_server(redis_server.url) as live:
+        yield live
+
+
+def client(server: ThreadServer, key: str | None, timeout_s: float = 120) -> httpx.Client:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=timeout_s)
+
+
+@pytest.fixture
+def acme(server):
+    with client(server, ACME_KEY) as http:
+        yield http
+
+
+@pytest.fixture
+def globex(server):
+    with client(server, GLOBEX_KEY) as http:
+        yield http
+
+
+@pytest.fixture
+def carol(server):
+    with client(server, CAROL_KEY) as http:
+        yield http
+
+
+@pytest.fixture
+def admin(server):
+    with client(server, ADMIN_KEY) as http:
+        yield http
+
+
+@pytest.fixture
+def raw_redis(redis_server):
+    with redis.Redis.from_url(redis_server.url) as r:
+        yield r
+
+
+def keyspace(raw_redis: redis.Redis, prefix: str) -> dict[bytes, bytes]:
+    """Every key under ``prefix`` with its serialized value (DUMP): a full snapshot."""
+    return {key: raw_redis.dump(key) for key in raw_redis.scan_iter(match=f"{prefix}:*")}
+
+
+def unique(text: str) -> str:
+    """``text`` tagged so that no other test (or earlier run) sent the same tokens."""
+    return f"[{uuid.uuid4().hex[:8]}] {text}"
+
+
+def new_session(http: httpx.Client, **body) -> dict:
+    response = http.post("/sessions", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def say(http: httpx.Client, session_id: str, text: str, **options) -> dict:
+    body = {"content": text, "max_tokens": 4, "temperature": 0, **options}
+    response = http.post(f"/sessions/{session_id}/messages", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def cache_idle_report(admin: httpx.Client) -> dict:
+    """``/admin/cache`` once no request runs: what the leak checks read."""
+    response = admin.get("/admin/cache")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def session_problems(server: ThreadServer, api_key: str) -> list[str]:
+    """Every way a stored session of the key's tenant is half-written; empty when all are whole.
+
+    A whole session holds an optional system message, then user/assistant pairs,
+    and its token history is its messages' token ids end to end. One exception
+    the service makes on purpose: when the chat template does not render the
+    stored history as a prefix (e.g. an answer cut inside a multi-byte
+    character), the turn re-renders the whole conversation, and that user
+    message's tokens are then the entire re-rendered prompt.
+    """
+    fmt = server.services.engine.chat_format
+
+    def rebuilt_history(messages) -> list[int]:
+        # The token history the messages imply: appended turn by turn, restarted
+        # by a user message whose tokens are the whole re-rendered conversation.
+        tokens: list[int] = []
+        seen: list[dict[str, str]] = []
+        for m in messages:
+            seen.append({"role": m.role, "content": m.text})
+            if m.role == "user" and tokens and fmt.decode(m.token_ids) == fmt.render_text(seen):
+                tokens = []
+            tokens.extend(m.token_ids)
+        return tokens
+
+    async def scan() -> list[str]:
+        store = server.services.store
+        tenant = (await store.tenant_by_api_key(api_key)).id
+        problems: list[str] = []
+        cursor = None
+        while True:
+            sessions, cursor = await store.list_sessions(tenant, limit=500, cursor=cursor)
+            for session in sessions:
+                messages = await store.get_messages(tenant, session.id) or []
+                roles = [m.role for m in messages]
+                if roles[:1] == ["system"]:
+                    roles = roles[1:]
+                if roles != ["user", "assistant"] * (len(roles) // 2):
+                    problems.append(f"{session.id}: roles {roles}")
+                if session.num_messages != len(messages):
+                    problems.append(f"{session.id}: num_messages {session.num_messages}")
+                rebuilt = rebuilt_history(messages)
+                if rebuilt != session.token_ids:
+                    at = next(
+                        (
+                            i
+                            for i, (x, y) in enumerate(
+                                zip(rebuilt, session.token_ids, strict=False)
+                            )
+                            if x != y
+                        ),
+                        min(len(rebuilt), len(session.token_ids)),
+                    )
+                    problems.append(
+                        f"{session.id}: token history ({len(session.token_ids)} tokens) is not "
+                        f"its messages' tokens ({len(rebuilt)}); first difference at {at}: "
+                        f"{[(m.role, m.text[:40], len(m.token_ids)) for m in messages]}"
+                    )
+            if cursor is None:
+                return problems
+
+    return server.call(scan())
