@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_wait_steps: int = 64
+    max_defer_steps: int = 4  # 0: never wait for another request's prefill of a prefix
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
 
@@ -54,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_wait_steps < 1:
             raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
+        if self.max_defer_steps < 0:
+            raise ValueError(f"max_defer_steps must be >= 0, got {self.max_defer_steps}")
         return self
 
     def num_blocks_for(self, block_bytes: int) -> int:

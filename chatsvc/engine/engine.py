@@ -69,7 +69,9 @@ class LLMEngine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.chat_format = ChatFormat(loaded.tokenizer)
+        # Stop ids listed only in generation_config.json (Llama 3's <|eot_id|>) must end a
+        # turn for every user of the chat format, not just this engine's stop check.
+        self.chat_format = ChatFormat(loaded.tokenizer, loaded.config.eos_token_ids)
         self.model_name = loaded.name
         limit = config.max_model_len or loaded.config.max_context_len
         self.max_context_len = min(limit, self.model.max_positions)
@@ -86,7 +88,10 @@ class LLMEngine:
             self.cache,
             config.block_size,
             SchedulerConfig(
-                config.max_num_batched_tokens, config.max_num_seqs, config.max_wait_steps
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                config.max_wait_steps,
+                max_defer_steps=config.max_defer_steps,
             ),
         )
         self.runner = ModelRunner(

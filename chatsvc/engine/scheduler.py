@@ -13,6 +13,13 @@ sequences (``max_num_seqs``). Order of business:
    those waiting past the age bound (FIFO), then the longest cached prefix
    first. Admission stops at the first candidate that does not fit, so a big
    request is not overtaken forever by small ones.
+4. Deferral for in-flight prefixes: a candidate whose prefix continues
+   through blocks another sequence is computing right now (``pending`` in the
+   cache, e.g. 16 conversations opening at once with one system prompt) is
+   skipped for this step, so it is admitted a step or two later with a full
+   hit instead of computing the same prefix again. At most
+   ``max_defer_steps`` times per sequence; preempted and aged sequences are
+   never deferred.
 
 Out of blocks: the cache already evicts unreferenced cached blocks itself (to
 the host tier when it has one). When that is not enough for a decode, the
@@ -53,6 +60,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_wait_steps: int = 64  # a sequence waiting longer than this goes first
     max_wait_s: float = 10.0  # ... or longer than this
+    max_defer_steps: int = 4  # steps a request may wait for another's prefill of its prefix
 
     def validate(self) -> SchedulerConfig:
         if self.max_num_batched_tokens < 1:
@@ -61,6 +69,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_wait_steps < 1 or self.max_wait_s <= 0:
             raise ValueError("max_wait_steps and max_wait_s must be positive")
+        if self.max_defer_steps < 0:
+            raise ValueError("max_defer_steps must be >= 0")
         return self
 
 
@@ -108,6 +118,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_deferrals = 0
 
     @property
     def has_work(self) -> bool:
@@ -206,11 +217,22 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return
-        for seq in self._ranked_waiting():
+        urgent, ranked = self._ranked_waiting()
+        candidates = [(seq, False) for seq in urgent] + [(seq, True) for seq in ranked]
+        for seq, may_defer in candidates:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             # Measured again: an admission just before may have changed what is cached.
-            needed = self._blocks_needed(seq)
+            match = self.cache.match_prefix(seq.token_ids(), seq.request.namespace)
+            if (
+                may_defer
+                and match.num_pending_tokens
+                and seq.num_deferred_steps < self.config.max_defer_steps
+            ):
+                seq.num_deferred_steps += 1
+                self.num_deferrals += 1
+                continue
+            needed = match.num_blocks_needed
             if not self.cache.can_allocate(needed):
                 if not self.running and not out.scheduled:
                     # Nothing else holds blocks: it will never fit. Refused at submit
@@ -236,30 +258,30 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, chunk, self._prefill_slots(seq, chunk)))
             budget -= chunk
 
-    def _ranked_waiting(self) -> list[Sequence]:
-        """Waiting sequences in admission order (see the module docstring)."""
+    def _ranked_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Waiting sequences in admission order: (urgent, the rest ranked).
+
+        Urgent ones (preempted, or waiting past the age bound) go first in queue
+        order and are never deferred; the rest by longest cached prefix first
+        (see the module docstring).
+        """
         now = time.perf_counter()
-        first: list[Sequence] = []
+        urgent: list[Sequence] = []
         rest: list[Sequence] = []
         for seq in self.waiting:
             aged = (
                 self.num_steps - seq.waiting_since_step > self.config.max_wait_steps
                 or now - seq.arrival_time > self.config.max_wait_s
             )
-            (first if seq.status is SequenceStatus.PREEMPTED or aged else rest).append(seq)
+            (urgent if seq.status is SequenceStatus.PREEMPTED or aged else rest).append(seq)
         measured = rest[:MAX_RANKED_CANDIDATES]
 
-        def cached_blocks(seq: Sequence) -> int:
-            # num_blocks_needed counts a matched but unreferenced cached block as
-            # needed (it stops being evictable), so it cannot rank prefixes; the
-            # match length itself is not in the cache contract yet.
-            return len(self.cache._match(seq.token_ids(), seq.request.namespace))
+        def cached_tokens(seq: Sequence) -> int:
+            return self.cache.num_matched_tokens(seq.token_ids(), seq.request.namespace)
 
         # sorted() is stable: equal prefixes keep arrival order.
-        return first + sorted(measured, key=cached_blocks, reverse=True) + rest[len(measured) :]
-
-    def _blocks_needed(self, seq: Sequence) -> int:
-        return self.cache.num_blocks_needed(seq.token_ids(), seq.request.namespace)
+        ranked = sorted(measured, key=cached_tokens, reverse=True) + rest[len(measured) :]
+        return urgent, ranked
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)

@@ -58,6 +58,7 @@ class Sequence:
     last_token_time: float | None = None
     waiting_since_step: int = 0  # scheduler step at which it (re-)entered the waiting queue
     num_preemptions: int = 0
+    num_deferred_steps: int = 0  # steps admission skipped it to wait for a pending prefix
     was_admitted: bool = False
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
 

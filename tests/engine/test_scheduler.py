@@ -175,3 +175,77 @@ def test_config_validation():
         SchedulerConfig(max_num_batched_tokens=0).validate()
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0).validate()
+
+
+SHARED = list(range(500, 512))  # 3 full blocks of a "system prompt"
+
+
+def test_a_prefix_being_computed_defers_its_twins_for_a_full_hit():
+    cache, sched = make()
+    seqs = [make_seq([*SHARED, 600 + i, 601 + i], max_tokens=2) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    out = step(sched, cache)
+    assert [s.seq for s in out.scheduled] == seqs[:1]
+    assert sched.num_deferrals == 3
+    out = step(sched, cache)
+    assert {s.seq for s in out.scheduled} == set(seqs)
+    assert [seq.num_cached_tokens for seq in seqs] == [0, 12, 12, 12]
+    assert [s.num_new_tokens for s in out.scheduled[1:]] == [2, 2, 2]
+
+
+def test_without_deferral_twins_compute_the_prefix_again():
+    cache, sched = make(max_defer_steps=0)
+    seqs = [make_seq([*SHARED, 600 + i, 601 + i], max_tokens=2) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    out = step(sched, cache)
+    assert [s.seq for s in out.scheduled] == seqs
+    assert [seq.num_cached_tokens for seq in seqs] == [0, 0, 0, 0]
+
+
+def test_deferral_is_bounded_when_the_prefill_does_not_advance():
+    # A prefill that stalls (here: allocated outside the scheduler and never computed)
+    # holds its twin back for max_defer_steps steps only.
+    cache, sched = make(max_defer_steps=3)
+    cache.allocate("stalled", [*SHARED, 1], NS)
+    twin = make_seq([*SHARED, 2], max_tokens=1)
+    sched.add(twin)
+    for _ in range(3):
+        assert step(sched, cache).scheduled == []
+    out = step(sched, cache)
+    assert [s.seq for s in out.scheduled] == [twin]
+    assert twin.num_deferred_steps == 3 and twin.num_cached_tokens == 0
+    cache.free("stalled")
+
+
+def test_a_chunked_prefill_defers_its_twin_until_the_prefix_is_written():
+    cache, sched = make(max_num_batched_tokens=16)
+    long_prefix = list(range(700, 760))
+    first = make_seq([*long_prefix, 1], max_tokens=1)
+    twin = make_seq([*long_prefix, 2], max_tokens=1)
+    sched.add(first)
+    sched.add(twin)
+    while twin.status is SequenceStatus.WAITING:
+        step(sched, cache)
+    assert twin.num_deferred_steps >= 1
+    assert twin.num_cached_tokens == len(long_prefix)
+
+
+def test_aged_requests_are_never_deferred():
+    cache, sched = make(max_wait_s=5.0)
+    first = make_seq([*SHARED, 1], max_tokens=1)
+    old = make_seq([*SHARED, 2], max_tokens=1, arrival=-1e9)  # waited "forever"
+    sched.add(first)
+    sched.add(old)
+    out = step(sched, cache)
+    # The aged one goes first and is admitted; the fresh twin then waits for its prefix.
+    assert [s.seq for s in out.scheduled] == [old]
+    assert old.num_deferred_steps == 0 and first.num_deferred_steps == 1
+    step(sched, cache)
+    assert first.num_cached_tokens == len(SHARED)
+
+
+def test_defer_config_validation():
+    with pytest.raises(ValueError, match="max_defer_steps"):
+        SchedulerConfig(max_defer_steps=-1).validate()
