@@ -14,6 +14,7 @@ import chatsvc
 from chatsvc.api.admin import AdminController
 from chatsvc.api.auth import provide_tenant
 from chatsvc.api.body_timeout import body_timeout_middleware
+from chatsvc.api.content_type import json_only_middleware
 from chatsvc.api.errors import EXCEPTION_HANDLERS
 from chatsvc.api.health import healthz, readyz
 from chatsvc.api.messages import MessageController
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         middleware=[
             RequestIdMiddleware,
             body_timeout_middleware(settings.limits.body_read_timeout_s),
+            json_only_middleware,
         ],
         lifespan=[lifespan],
         request_max_body_size=settings.limits.max_body_bytes,

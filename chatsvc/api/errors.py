@@ -118,11 +118,22 @@ def _http(_: Request, exc: HTTPException) -> Response:
         404: "not_found_error",
         405: "method_not_allowed",
         408: "request_timeout",
+        415: "unsupported_media_type",
         413: "request_too_large",
         429: "rate_limit_error",
     }
     kind = kinds.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "")
     return _json(exc.status_code, kind or "server_error", exc.detail)
+
+
+def _undecodable(_: Request, exc: UnicodeDecodeError) -> Response:
+    # Found by fuzzing: msgspec raises this (not a validation error) on invalid UTF-8.
+    return _json(400, "invalid_request_error", "the body is not valid UTF-8")
+
+
+def _too_deep(_: Request, exc: RecursionError) -> Response:
+    # Found by fuzzing: deeply nested JSON exhausts msgspec's decoding depth.
+    return _json(400, "invalid_request_error", "the request is nested too deeply")
 
 
 def _unexpected(request: Request, exc: Exception) -> Response:
@@ -137,6 +148,8 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     StoreNotFoundError: _store_not_found,
     ValidationException: _validation,
     HTTPException: _http,
+    UnicodeDecodeError: _undecodable,
+    RecursionError: _too_deep,
     Exception: _unexpected,
 }
 

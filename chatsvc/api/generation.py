@@ -97,8 +97,8 @@ def fit_context(services: Services, prompt_len: int, sampling, requested: int | 
 
 
 def check_text(text: str, services: Services, what: str = "message") -> str:
-    if not text.strip():
-        raise InvalidRequestError(f"the {what} is empty")
+    if not any(c.isprintable() and not c.isspace() for c in text):
+        raise InvalidRequestError(f"the {what} is empty (no visible character)")
     limit = services.settings.limits.max_message_chars
     if len(text) > limit:
         raise InvalidRequestError(f"the {what} has {len(text)} characters; the limit is {limit}")

@@ -156,19 +156,18 @@ def session_problems(server: ThreadServer, api_key: str) -> list[str]:
     and its token history is its messages' token ids end to end. One exception
     the service makes on purpose: when the chat template does not render the
     stored history as a prefix (e.g. an answer cut inside a multi-byte
-    character), the turn re-renders the whole conversation, and that user
-    message's tokens are then the entire re-rendered prompt.
+    character, or text the tokenizer normalizes), the turn re-renders the whole
+    conversation, and that user message's tokens are the entire new prompt.
     """
-    fmt = server.services.engine.chat_format
 
     def rebuilt_history(messages) -> list[int]:
-        # The token history the messages imply: appended turn by turn, restarted
-        # by a user message whose tokens are the whole re-rendered conversation.
+        # The token history the messages imply: appended turn by turn, restarted by
+        # a user message whose tokens are the whole re-rendered conversation (it
+        # starts the way the first message does: the template's opening tokens).
         tokens: list[int] = []
-        seen: list[dict[str, str]] = []
+        opening = messages[0].token_ids[:4] if messages else []
         for m in messages:
-            seen.append({"role": m.role, "content": m.text})
-            if m.role == "user" and tokens and fmt.decode(m.token_ids) == fmt.render_text(seen):
+            if m.role == "user" and tokens and m.token_ids[: len(opening)] == opening:
                 tokens = []
             tokens.extend(m.token_ids)
         return tokens

@@ -1,0 +1,224 @@
+"""Hostile and malformed input by hand: each gets a clear 4xx JSON error and leaves
+Redis byte-for-byte as it was; the per-tenant limits answer 429."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from chatsvc.config import Limits
+from tests.reliability.conftest import (
+    ACME_KEY,
+    GLOBEX_KEY,
+    MAX_MODEL_LEN,
+    RELIABILITY_LIMITS,
+    client,
+    keyspace,
+    new_session,
+    start_server,
+    unique,
+)
+
+LIMITS = RELIABILITY_LIMITS
+
+
+def _rejected(server, raw_redis, send, status: int, error_type: str | None = None) -> dict:
+    before = keyspace(raw_redis, server.prefix)
+    response = send()
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["message"], body
+    if error_type is not None:
+        assert body["error"]["type"] == error_type, body
+    assert keyspace(raw_redis, server.prefix) == before
+    return body
+
+
+@pytest.fixture
+def session_id(acme):
+    return new_session(acme)["id"]
+
+
+def test_huge_body_is_413(server, raw_redis, acme, session_id):
+    big = "x" * (LIMITS.max_body_bytes + 1)
+    _rejected(
+        server,
+        raw_redis,
+        lambda: acme.post(f"/sessions/{session_id}/messages", json={"content": big}),
+        413,
+        "request_too_large",
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        (b"[" * 5000 + b"]" * 5000, {}),  # deeply nested JSON
+        (b'{"content": "\xff\xfe bad utf-8"}', {}),
+        (b'{"content": "hi", "bogus_field": 1}', {}),  # unknown field
+        (b'{"content": "hi"', {}),  # truncated JSON
+        (b"content=hi", {"Content-Type": "application/x-www-form-urlencoded"}),
+        (b"", {}),
+    ],
+    ids=["nested", "bad-utf8", "unknown-field", "truncated", "form", "empty"],
+)
+def test_malformed_bodies_are_400(server, raw_redis, acme, session_id, body, headers):
+    send_headers = {"Content-Type": "application/json", **headers}
+    _rejected(
+        server,
+        raw_redis,
+        lambda: acme.post(f"/sessions/{session_id}/messages", content=body, headers=send_headers),
+        400,
+    )
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/xml", "multipart/form-data"])
+def test_wrong_content_type_is_415(server, raw_redis, acme, session_id, content_type):
+    _rejected(
+        server,
+        raw_redis,
+        lambda: acme.post(
+            f"/sessions/{session_id}/messages",
+            content=b'{"content": "hi"}',
+            headers={"Content-Type": content_type},
+        ),
+        415,
+        "unsupported_media_type",
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"content": "\x00\x01\x02 \x1b\x7f"},  # control characters only: nothing visible
+        {"content": "   "},
+        {"content": "y" * (LIMITS.max_message_chars + 1)},
+        {"content": "hi", "max_tokens": 0},
+        {"content": "hi", "max_tokens": -5},
+        {"content": "hi", "max_tokens": 10**12},
+        {"content": "hi", "max_tokens": 10**30},
+        {"content": "hi", "temperature": -1},
+        {"content": "hi", "top_p": 1.5},
+        {"content": "hi", "stop": "not-a-list"},
+    ],
+)
+def test_bad_message_values_are_400(server, raw_redis, acme, session_id, options):
+    _rejected(
+        server, raw_redis, lambda: acme.post(f"/sessions/{session_id}/messages", json=options), 400
+    )
+
+
+def test_nul_and_control_text_is_served_or_refused_cleanly(server, raw_redis, acme, session_id):
+    # Control characters inside real text are text: the turn runs and is stored whole.
+    response = acme.post(
+        f"/sessions/{session_id}/messages",
+        json={"content": unique("a\x00b\x07c"), "max_tokens": 2, "temperature": 0},
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_prompt_past_the_context_is_400(server, raw_redis, acme, session_id):
+    # ~1 token per word: well past the 1,024-token context, under the char limit.
+    long_text = " ".join(f"w{i}" for i in range(MAX_MODEL_LEN))[: LIMITS.max_message_chars]
+    _rejected(
+        server,
+        raw_redis,
+        lambda: acme.post(f"/sessions/{session_id}/messages", json={"content": long_text}),
+        400,
+        "context_length_exceeded",
+    )
+
+
+def test_openai_n_too_large_and_bad_roles_are_400(server, raw_redis, acme):
+    model = acme.get("/v1/models").json()["data"][0]["id"]
+    base = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for body in (
+        {**base, "n": LIMITS.max_n + 1},
+        {**base, "n": 0},
+        {**base, "messages": [{"role": "wizard", "content": "hi"}]},
+        {**base, "messages": []},
+        {**base, "max_tokens": -1},
+    ):
+        _rejected(server, raw_redis, lambda b=body: acme.post("/v1/chat/completions", json=b), 400)
+
+
+def _read_all(sock: socket.socket, into: list[bytes]) -> None:
+    while chunk := sock.recv(4096):
+        into.append(chunk)
+
+
+@pytest.fixture(scope="module")
+def strict_server(redis_server):
+    """A server with a short body deadline, two streams per tenant and long answers."""
+    limits = Limits(body_read_timeout_s=2, max_streams_per_tenant=2, max_tokens_cap=512)
+    with start_server(redis_server.url, limits) as live:
+        yield live
+
+
+def test_slow_loris_body_times_out_and_others_are_served(strict_server):
+    with socket.create_connection(("127.0.0.1", strict_server.port), timeout=60) as sock:
+        sock.sendall(
+            b"POST /sessions HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {ACME_KEY}\r\n".encode()
+            + b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"meta'
+        )
+        answer: list[bytes] = []
+        reader = threading.Thread(target=_read_all, args=(sock, answer))
+        reader.start()
+        # While the stalled request waits, another client is served.
+        with client(strict_server, ACME_KEY) as http:
+            assert http.get("/sessions").status_code == 200
+        reader.join(timeout=60)
+    raw = b"".join(answer)
+    assert raw.startswith(b"HTTP/1.1 408"), raw
+    assert b"request_timeout" in raw
+
+
+def test_concurrent_streams_per_tenant_limit_is_429(strict_server, raw_redis):
+    streams = []
+    with client(strict_server, GLOBEX_KEY) as http:
+        try:
+            for _ in range(2):
+                sid = new_session(http)["id"]
+                body = {
+                    "content": unique("Count from 1 to 500, separated by commas."),
+                    "stream": True,
+                    "max_tokens": 500,
+                    "temperature": 0,
+                }
+                stream = http.stream("POST", f"/sessions/{sid}/messages", json=body)
+                response = stream.__enter__()
+                streams.append(stream)
+                assert response.status_code == 200
+                next(response.iter_lines())  # the generation is running
+            sid = new_session(http)["id"]
+            body = _rejected(
+                strict_server,
+                raw_redis,
+                lambda: http.post(f"/sessions/{sid}/messages", json={"content": "hi"}),
+                429,
+                "rate_limit_error",
+            )
+            assert "generations" in body["error"]["message"]
+        finally:
+            for stream in streams:
+                stream.__exit__(None, None, None)
+
+
+def test_sessions_per_tenant_limit_is_429(server, raw_redis, carol):
+    created = 0
+    while True:
+        response = carol.post("/sessions", json={})
+        if response.status_code != 201:
+            break
+        created += 1
+        assert created <= LIMITS.max_sessions_per_tenant
+    assert created == LIMITS.max_sessions_per_tenant
+    body = _rejected(server, raw_redis, lambda: carol.post("/sessions", json={}), 429)
+    assert "sessions" in body["error"]["message"]
+    # Deleting one makes room again.
+    first = carol.get("/sessions", params={"limit": 1}).json()["sessions"][0]["id"]
+    assert carol.delete(f"/sessions/{first}").status_code == 204
+    assert carol.post("/sessions", json={}).status_code == 201
