@@ -57,7 +57,7 @@ async def verify(store: Store, tenant_id: str, log: ConversationLog) -> Verdict:
     roles = [m.role for m in body]
     if roles != ["user", "assistant"] * (len(body) // 2) or len(body) % 2:
         problems.append(f"roles are not user/assistant pairs: {roles}")
-    joined = [t for m in messages for t in m.token_ids]
+    joined = rebuilt_history(messages)
     if joined != session.token_ids:
         problems.append(
             f"message token ids ({len(joined)}) do not concatenate to the session's "
@@ -66,6 +66,24 @@ async def verify(store: Store, tenant_id: str, log: ConversationLog) -> Verdict:
     stored = [(body[i].text, body[i + 1].text) for i in range(0, len(body) - 1, 2)]
     extra = _match(stored, log.attempts, problems)
     return Verdict(log.session_id, problems, len(stored), extra)
+
+
+def rebuilt_history(messages) -> list[int]:
+    """The token history the messages imply: their token ids end to end.
+
+    One exception the service makes on purpose: when the chat template does not
+    render the stored history as a prefix (e.g. an answer cut inside a
+    multi-byte character), the turn re-renders the whole conversation and that
+    user message's tokens are the entire prompt. Such a message starts with the
+    system message's own tokens, which an appended turn never does.
+    """
+    head = messages[0].token_ids if messages and messages[0].role == "system" else []
+    tokens: list[int] = []
+    for m in messages:
+        if m.role == "user" and head and tokens and m.token_ids[: len(head)] == head:
+            tokens = []
+        tokens.extend(m.token_ids)
+    return tokens
 
 
 def _match(stored: list[tuple[str, str]], attempts: list[Attempt], problems: list[str]) -> int:

@@ -13,6 +13,10 @@ from __future__ import annotations
 import pytest
 
 from bench.reliability.crash_loop import parse_args, run
+from bench.reliability.history import Attempt, ConversationLog, verify
+from chatsvc.store import Store
+from chatsvc.store.records import MessageRecord, SessionRecord, decode, encode
+from tests.redis_server import unique_prefix
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -27,3 +31,45 @@ async def test_three_kills_mid_stream_lose_no_acknowledged_turn(tmp_path):
     assert sum(report.streams_mid_generation_at_kill) >= 3
     assert report.acknowledged >= 3  # 3 final turns at least, each checked in Redis
     assert report.sessions >= 3
+
+
+async def test_the_checker_flags_lost_extra_and_torn_turns(redis_server):
+    """The crash loop's verdicts are only worth something if the checker can fail."""
+    store = await Store.connect(redis_server.url, prefix=unique_prefix("crashcheck"))
+    try:
+        tenant = await store.create_tenant("checker", "checker-tenant-key-0001")
+        system = [1, 2, 3]
+        session = await store.create_session(tenant.id, None, "Be brief.", system, {})
+
+        async def add(user_text: str, answer: str, user_ids: list[int], answer_ids: list[int]):
+            await store.append_turn(
+                tenant.id,
+                session.id,
+                MessageRecord(role="user", text=user_text, token_ids=user_ids),
+                MessageRecord(role="assistant", text=answer, token_ids=answer_ids),
+            )
+
+        await add("u1", "a1", [4, 5], [6])
+        await add("u2", "a2", [7], [8, 9])
+        good = ConversationLog(session.id, [Attempt("u1", "a1"), Attempt("u2", "a2")])
+        assert (await verify(store, tenant.id, good)).problems == []
+        # The second turn was in flight (never acknowledged) yet committed: allowed.
+        in_flight = ConversationLog(session.id, [Attempt("u1", "a1"), Attempt("u2")])
+        verdict = await verify(store, tenant.id, in_flight)
+        assert verdict.problems == [] and verdict.committed_unacknowledged == 1
+        # An acknowledged turn that is not stored, or stored differently, is a loss.
+        lost = ConversationLog(session.id, [*good.attempts, Attempt("u3", "a3")])
+        assert (await verify(store, tenant.id, lost)).problems
+        altered = ConversationLog(session.id, [Attempt("u1", "a1"), Attempt("u2", "other")])
+        assert (await verify(store, tenant.id, altered)).problems
+        # A stored turn the client never sent.
+        unsent = ConversationLog(session.id, good.attempts[:1])
+        assert (await verify(store, tenant.id, unsent)).problems
+        # A torn token history: the record no longer matches its messages.
+        key = store.keys.session(session.id)
+        record = decode(SessionRecord, await store.redis.get(key))
+        record.token_ids = record.token_ids[:-1]
+        await store.redis.set(key, encode(record))
+        assert any("concatenate" in p for p in (await verify(store, tenant.id, good)).problems)
+    finally:
+        await store.close()
