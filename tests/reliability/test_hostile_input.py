@@ -183,7 +183,7 @@ def test_concurrent_streams_per_tenant_limit_is_429(strict_server, raw_redis):
             for _ in range(2):
                 sid = new_session(http)["id"]
                 body = {
-                    "content": unique("Count from 1 to 500, separated by commas."),
+                    "content": unique("List the numbers from 1 to 400, one per line."),
                     "stream": True,
                     "max_tokens": 500,
                     "temperature": 0,
@@ -202,6 +202,10 @@ def test_concurrent_streams_per_tenant_limit_is_429(strict_server, raw_redis):
                 "rate_limit_error",
             )
             assert "generations" in body["error"]["message"]
+            # Both generations were still running when the third was refused.
+            for stream in streams:
+                tail = list(stream.__enter__().iter_lines())
+                assert any(line == "event: done" for line in tail), tail[-3:]
         finally:
             for stream in streams:
                 stream.__exit__(None, None, None)
