@@ -122,7 +122,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     out_dir = Path(args.out)
     stem = time.strftime("multiturn-%Y%m%d-%H%M%S")
-    command = "python -m bench.multiturn " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = (
+        "python -m bench.multiturn " + shlex.join(sys.argv[1:] if argv is None else argv)
+    ).strip()
     result = {
         "meta": {
             "command": command,

@@ -65,10 +65,10 @@ def build_spec(
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if threads is None and system in ("hf", "hf-cb"):
-        # Both peers run generation in threads beside the server's (one per request for
-        # plain serving, a batching loop for --continuous-batching); with torch's default
-        # intra-op threads each, they oversubscribe 2 cores and ran 4-7x slower here than
-        # with one thread (docs/benchmarks.md). The peers get their faster setting.
+        # Both peers generate on a thread of their own beside the server's event loop
+        # (plain: one request at a time on a persistent inference thread; CB: a batching
+        # loop). With torch's default intra-op threads they ran 4-7x slower on the shared
+        # 2-core machine than with one (docs/benchmarks.md): the peers get the faster one.
         threads = 1
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
