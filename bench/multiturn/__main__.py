@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="static allocation per request (default: longest request of the trace)",
     )
+    p.add_argument(
+        "--max-system-s",
+        type=float,
+        default=180.0,
+        help="cut each system's run after this many seconds (0 = no limit); cut runs are marked",
+    )
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the servers")
     p.add_argument("--out", default="bench/results", help="directory for JSON, PNG and markdown")
     p.add_argument("--smoke", action="store_true", help="tiny config: 2 conversations x 2 turns")
@@ -115,6 +121,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         block_size=args.block_size,
         max_context_len=args.max_context_len,
         threads=args.threads,
+        deadline_s=args.max_system_s if args.max_system_s > 0 else None,
     )
     model_dir = resolve_model_dir(args.model_dir)
     from transformers import AutoTokenizer
@@ -143,7 +150,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         entry = run_system(system, workload, model_dir, out_dir / stem, options, tokenizer)
         result["systems"][system] = entry
         errors = sum(1 for r in entry["records"] if r["error"])
-        print(f"[bench] {system}: {entry['wall_s']:.1f}s, {errors} errors", flush=True)
+        cut = sum(1 for r in entry["records"] if r["cut_at_deadline"])
+        note = f", cut at the deadline with {cut} in flight" if entry["truncated"] else ""
+        print(f"[bench] {system}: {entry['wall_s']:.1f}s, {errors} errors{note}", flush=True)
         write_result(result, out_dir, stem)
     path = write_result(result, out_dir, stem)
     table = markdown_table(result)

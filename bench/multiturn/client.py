@@ -39,10 +39,12 @@ class RequestRecord:
     finish_reason: str | None = None
     answer: str = ""
     error: str | None = None
+    # Still running when the run's deadline cut it off: neither a success nor an error.
+    cut_at_deadline: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.error is None and not self.cut_at_deadline
 
 
 @dataclass
@@ -137,6 +139,9 @@ async def _run_conversation(
             records.append(record)
             try:
                 await stream_chat(http, list(messages), record, model, t0)
+            except asyncio.CancelledError:
+                record.cut_at_deadline = True
+                raise
             except (ServerError, httpx.HTTPError, json.JSONDecodeError) as exc:
                 # The history would be missing an answer: this conversation stops here.
                 record.error = f"{type(exc).__name__}: {exc}"
@@ -169,9 +174,13 @@ async def run_workload(
     headers: dict[str, str] | None = None,
     request_timeout_s: float = 600.0,
     transport: httpx.AsyncBaseTransport | None = None,
+    deadline_s: float | None = None,
 ) -> RunResult:
     """Run every conversation of ``workload`` against ``base_url``, at most ``concurrency``
     conversations at a time (a user holds a slot through their think times).
+
+    ``deadline_s`` bounds the run: conversations still going then are cancelled, their
+    in-flight requests marked ``cut_at_deadline`` and the result ``truncated``.
     ``transport`` replaces the network (tests)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -186,12 +195,21 @@ async def run_workload(
         transport=transport,
     ) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(
-            *(
+        tasks = [
+            asyncio.create_task(
                 _run_conversation(http, conv, system, model, t0, gate, result.records)
-                for conv in workload.conversations
             )
-        )
+            for conv in workload.conversations
+        ]
+        _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        result.truncated = bool(pending)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            # A conversation's own bug must not pass silently as a short run.
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
         result.wall_s = time.perf_counter() - t0
     result.records.sort(key=lambda r: r.sent_at)
     return result

@@ -33,7 +33,12 @@ def summarize_system(entry: dict, from_turn: int = 2) -> dict:
     """Summary figures of one system. ``from_turn`` (0-based) picks the turns of the
     headline TTFT (2 = "from turn 3 on")."""
     records = entry["records"]
-    ok = [r for r in records if r.get("error") is None and r.get("latency_s") is not None]
+    cut = [r for r in records if r.get("cut_at_deadline")]
+    ok = [
+        r
+        for r in records
+        if r.get("error") is None and not r.get("cut_at_deadline") and r.get("latency_s")
+    ]
     wall = entry.get("wall_s") or 0.0
     turns = sorted({r["turn"] for r in ok})
     ttft_by_turn = {
@@ -46,7 +51,9 @@ def summarize_system(entry: dict, from_turn: int = 2) -> dict:
     completion = sum(r["completion_tokens"] or 0 for r in ok)
     summary = {
         "requests": len(records),
-        "errors": len(records) - len(ok),
+        "errors": len(records) - len(ok) - len(cut),
+        "cut_at_deadline": len(cut),
+        "truncated": bool(entry.get("truncated")),
         "ttft_by_turn": ttft_by_turn,
         "ttft_late": _pcts(
             [r["ttft_s"] for r in ok if r["turn"] >= from_turn and r["ttft_s"] is not None]
@@ -73,6 +80,12 @@ def summarize_system(entry: dict, from_turn: int = 2) -> dict:
     return summary
 
 
+def _cut_note(summary: dict) -> str:
+    if not summary["truncated"]:
+        return ""
+    return f" (run cut at its deadline, {summary['cut_at_deadline']} in flight)"
+
+
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{1000 * value:.0f}"
 
@@ -97,7 +110,7 @@ def markdown_table(result: dict) -> str:
             f"| {_ms(tpot['p50'])} / {_ms(tpot['p90'])} "
             f"| {_ms(lat['p50'])} / {_ms(lat['p90'])} / {_ms(lat['p99'])} "
             f"| {_num(s['requests_per_s'])} | {_num(s['output_tokens_per_s'], '{:.1f}')} "
-            f"| {s['errors']} |"
+            f"| {s['errors']}{_cut_note(s)} |"
         )
     lines += [
         "",

@@ -27,6 +27,8 @@ class RunOptions:
     ready_timeout_s: float = 600.0
     admin_interval_s: float = 0.25
     threads: int | None = None
+    # Per system; None = let every conversation finish.
+    deadline_s: float | None = None
 
 
 def resolve_model_dir(model_dir: str | None) -> Path:
@@ -61,6 +63,7 @@ async def _drive(server: RunningServer, workload: Workload, options: RunOptions)
             options.concurrency,
             model=server.model,
             headers=server.spec.headers,
+            deadline_s=options.deadline_s,
         )
     finally:
         stop.set()

@@ -108,3 +108,29 @@ def test_failed_turn_ends_its_conversation():
     )
     assert [r.ok for r in result.records] == [True, False]
     assert "503" in result.records[1].error
+
+
+def test_deadline_cuts_the_run_and_marks_requests_in_flight():
+    workload = generate_workload(
+        WorkloadConfig(num_conversations=2, num_turns=3, think_time_s=Distribution.parse("0"))
+    )
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        turn = sum(1 for m in json.loads(request.content)["messages"] if m["role"] == "user")
+        if turn == 2:
+            await asyncio.sleep(30)  # the second turn never finishes before the deadline
+        return httpx.Response(200, content=_sse(_answer_events(["x"], 5, 0)))
+
+    result = asyncio.run(
+        run_workload(
+            "http://t", workload, "fake", 2, transport=httpx.MockTransport(handler), deadline_s=0.5
+        )
+    )
+    assert result.truncated and result.wall_s < 30
+    assert sorted((r.turn, r.ok, r.cut_at_deadline) for r in result.records) == [
+        (0, True, False),
+        (0, True, False),
+        (1, False, True),
+        (1, False, True),
+    ]
+    assert all(r.error is None for r in result.records)

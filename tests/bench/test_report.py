@@ -31,7 +31,9 @@ RESULT = {
                 _rec(2, 0.1, 0.5, 300, 288, 20, tpot=0.02),
                 _rec(3, 0.3, 0.9, 400, 384, 20, tpot=0.03),
                 _rec(3, None, None, None, None, None, error="HTTP 500"),
+                {**_rec(3, None, None, None, None, None), "cut_at_deadline": True},
             ],
+            "truncated": True,
             "ideal": {"prompt_tokens": 1000, "cached_tokens": 800},
             "ideal_causal": {"prompt_tokens": 1000, "cached_tokens": 768},
             "admin_memory": {
@@ -62,7 +64,8 @@ def test_percentile_interpolates():
 
 def test_summary_of_ours():
     s = summarize_system(RESULT["systems"]["ours"])
-    assert s["requests"] == 5 and s["errors"] == 1
+    assert s["requests"] == 6 and s["errors"] == 1
+    assert s["cut_at_deadline"] == 1 and s["truncated"]
     assert s["prompt_tokens"] == 1000 and s["cached_tokens"] == 768
     assert s["hit_rate"] == pytest.approx(0.768)
     assert s["ideal_hit_rate"] == pytest.approx(0.8)
@@ -90,7 +93,7 @@ def test_markdown_table_rows():
     table = markdown_table(RESULT)
     ours = next(line for line in table.splitlines() if line.startswith("| ours |"))
     assert "| 200 / 280 / 298 |" in ours  # TTFT turn>=3 p50/p90/p99 in ms
-    assert "| 0.40 | 6.0 | 1 |" in ours
+    assert "| 0.40 | 6.0 | 1 (run cut at its deadline, 1 in flight) |" in ours
     cache_rows = [line for line in table.splitlines() if "| 1000 |" in line or "| 400 |" in line]
     assert cache_rows[0] == "| ours | 1000 | 768 | 76.8% | 80.0% | 96.0% | 76.8% | 100.0% |"
     assert cache_rows[1] == "| hf | 400 | – | – | 24.0% | – | – | – |"
