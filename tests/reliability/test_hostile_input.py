@@ -3,6 +3,7 @@ Redis byte-for-byte as it was; the per-tenant limits answer 429."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -177,38 +178,43 @@ def test_slow_loris_body_times_out_and_others_are_served(strict_server):
 
 
 def test_concurrent_streams_per_tenant_limit_is_429(strict_server, raw_redis):
-    streams = []
-    with client(strict_server, GLOBEX_KEY) as http:
-        try:
-            for _ in range(2):
-                sid = new_session(http)["id"]
-                body = {
-                    "content": unique("List the numbers from 1 to 400, one per line."),
-                    "stream": True,
-                    "max_tokens": 500,
-                    "temperature": 0,
-                }
-                stream = http.stream("POST", f"/sessions/{sid}/messages", json=body)
-                response = stream.__enter__()
-                streams.append(stream)
-                assert response.status_code == 200
-                next(response.iter_lines())  # the generation is running
+    # Each stream keeps its one line iterator for its whole life. Dropping the
+    # iterator of ``next(response.iter_lines())`` closes it, and closing httpx's
+    # byte stream mid-body closes the connection: the server sees a disconnect,
+    # aborts that generation and frees its slot (as it must), so the third
+    # request used to find the tenant's counter at zero.
+    tenant = strict_server.call(strict_server.services.store.tenant_by_api_key(GLOBEX_KEY))
+    lines = []
+    with client(strict_server, GLOBEX_KEY) as http, contextlib.ExitStack() as streams:
+        for _ in range(2):
             sid = new_session(http)["id"]
-            body = _rejected(
-                strict_server,
-                raw_redis,
-                lambda: http.post(f"/sessions/{sid}/messages", json={"content": "hi"}),
-                429,
-                "rate_limit_error",
+            body = {
+                "content": unique("List the numbers from 1 to 400, one per line."),
+                "stream": True,
+                "max_tokens": 500,
+                "temperature": 0,
+            }
+            response = streams.enter_context(
+                http.stream("POST", f"/sessions/{sid}/messages", json=body)
             )
-            assert "generations" in body["error"]["message"]
-            # Both generations were still running when the third was refused.
-            for stream in streams:
-                tail = list(stream.__enter__().iter_lines())
-                assert any(line == "event: done" for line in tail), tail[-3:]
-        finally:
-            for stream in streams:
-                stream.__exit__(None, None, None)
+            assert response.status_code == 200
+            lines.append(response.iter_lines())
+            next(lines[-1])  # the generation is running
+        assert strict_server.services.streams.active(tenant.id) == 2
+        sid = new_session(http)["id"]
+        body = _rejected(
+            strict_server,
+            raw_redis,
+            lambda: http.post(f"/sessions/{sid}/messages", json={"content": "hi"}),
+            429,
+            "rate_limit_error",
+        )
+        assert "generations" in body["error"]["message"]
+        # Both generations were still running when the third was refused.
+        for stream_lines in lines:
+            tail = list(stream_lines)
+            assert any(line == "event: done" for line in tail), tail[-3:]
+    assert strict_server.services.streams.active(tenant.id) == 0
 
 
 def test_sessions_per_tenant_limit_is_429(server, raw_redis, carol):
