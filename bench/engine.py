@@ -1,6 +1,7 @@
 """Engine benchmark: concurrent multi-turn conversations with a shared system prompt.
 
     .venv/bin/python -m bench.engine [--conversations 16] [--turns 6] [--max-tokens 8]
+        [--max-defer-steps 4]
 
 Runs the workload through AsyncEngine twice, prefix cache on and off, and prints
 per-turn TTFT (median over conversations), output tokens/s, and the prefix hit
@@ -88,6 +89,7 @@ async def run(loaded, args, enable_prefix_cache: bool) -> dict:
         num_gpu_blocks=args.blocks,
         enable_prefix_cache=enable_prefix_cache,
         max_num_batched_tokens=args.batch_tokens,
+        max_defer_steps=args.max_defer_steps,
     )
     engine = AsyncEngine(config, loaded=loaded)
     await engine.start()
@@ -124,13 +126,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--batch-tokens", type=int, default=512)
+    parser.add_argument(
+        "--max-defer-steps",
+        type=int,
+        default=EngineConfig.max_defer_steps,
+        help="steps a request may wait for another's prefill of its prefix (0: never)",
+    )
     args = parser.parse_args()
     loaded = load_model(args.model, args.dtype)
     results = {on: asyncio.run(run(loaded, args, on)) for on in (True, False)}
     on, off = results[True], results[False]
     print(
         f"model={loaded.name} dtype={loaded.model.dtype} conversations={args.conversations} "
-        f"turns={args.turns} max_tokens={args.max_tokens}"
+        f"turns={args.turns} max_tokens={args.max_tokens} max_defer_steps={args.max_defer_steps}"
     )
     print("turn  ttft_cache_ms  ttft_nocache_ms  speedup")
     for t in range(args.turns):

@@ -61,6 +61,31 @@ def ours_decode(loaded: LoadedModel, batch: int, context: int) -> Callable[[], o
     return lambda: model.forward(step, pool)
 
 
+def per_layer_metadata(model, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the kernels deriving slots, gather ids and masks in every layer (the old way)."""
+
+    def run() -> object:
+        model._step_metadata = lambda batch, block_size: (None, None)
+        try:
+            return fn()
+        finally:
+            del model._step_metadata
+
+    return run
+
+
+def with_threads(num_threads: int, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(previous)
+
+    return run
+
+
 def ours_prefill(loaded: LoadedModel, length: int) -> Callable[[], object]:
     model, bs = loaded.model, BLOCK_SIZE
     num_blocks = -(-length // bs)
@@ -114,6 +139,16 @@ def main() -> None:
         help="torch threads (0: torch's default); on a shared, busy CPU one thread avoids "
         "OpenMP threads spinning at barriers while descheduled",
     )
+    parser.add_argument(
+        "--thread-sweep",
+        default="",
+        help="comma-separated thread counts: time the prepacked decode at each, interleaved",
+    )
+    parser.add_argument(
+        "--compare-metadata",
+        action="store_true",
+        help="also time the prepacked decode with per-layer kernel metadata (the old path)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,6 +168,10 @@ def main() -> None:
             "ours": ours_decode(plain, batch, args.context),
             "prepacked": ours_decode(packed, batch, args.context),
         }
+        if args.compare_metadata:
+            fns["per-layer-meta"] = per_layer_metadata(packed.model, fns["prepacked"])
+        for n in (int(t) for t in args.thread_sweep.split(",") if t):
+            fns[f"threads={n}"] = with_threads(n, fns["prepacked"])
         if hf is not None:
             fns["transformers"] = hf_decode(hf, batch, args.context)
         ms = interleaved_medians(fns, args.steps)

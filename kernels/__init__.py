@@ -37,6 +37,12 @@ from kernels.extend_attention import (
     paged_extend_attention_torch,
     paged_extend_attention_triton,
 )
+from kernels.step_metadata import (
+    DecodeMetadata,
+    WriteIndex,
+    check_decode_metadata,
+    check_write_index,
+)
 from kernels.write_kv import check_write_kv, write_kv_torch, write_kv_triton
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_extend_attention", "write_kv"]
@@ -51,17 +57,22 @@ def write_kv(
     *,
     backend: str | None = None,
     check_bounds: bool = True,
+    index: WriteIndex | None = None,
 ) -> None:
     """Store ``key``/``value`` ``[T, H_kv, D]`` into slots ``slot_mapping [T]`` (-1 = skip).
 
     ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, H_kv, D]``
-    views of the pool, written in place. Slots must be distinct.
+    views of the pool, written in place. Slots must be distinct. ``index``
+    (``kernels.step_metadata.write_index`` of the same slots) spares the torch
+    path re-deriving it in every layer; Triton ignores it.
     """
     check_write_kv(k_cache, v_cache, key, value, slot_mapping, check_bounds)
     if resolve_backend(backend, k_cache.device) == "triton":
         write_kv_triton(k_cache, v_cache, key, value, slot_mapping)
-    else:
-        write_kv_torch(k_cache, v_cache, key, value, slot_mapping)
+        return
+    if index is not None:
+        check_write_index(index, key.shape[0], k_cache.shape[1])
+    write_kv_torch(k_cache, v_cache, key, value, slot_mapping, index)
 
 
 def paged_decode_attention(
@@ -75,20 +86,28 @@ def paged_decode_attention(
     backend: str | None = None,
     check_bounds: bool = True,
     partition_size: int | None = None,
+    metadata: DecodeMetadata | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
     query ``[B, H_q, D]``; block_tables ``[B, max_blocks]``; context_lens ``[B]``
     (tokens of each sequence including the new one, whose K/V is already
     written); returns ``[B, H_q, D]`` in the query's dtype. ``partition_size``
-    forces the Triton split-context path (tokens per program).
+    forces the Triton split-context path (tokens per program). ``metadata``
+    (``kernels.step_metadata.decode_metadata`` of the same tables and lengths)
+    spares the torch path rebuilding gather ids and masks per layer; Triton
+    ignores it.
     """
     check_decode(query, k_cache, v_cache, block_tables, context_lens, scale, check_bounds)
     if resolve_backend(backend, query.device) == "triton":
         return paged_decode_attention_triton(
             query, k_cache, v_cache, block_tables, context_lens, scale, partition_size
         )
-    return paged_decode_attention_torch(query, k_cache, v_cache, block_tables, context_lens, scale)
+    if metadata is not None:
+        check_decode_metadata(metadata, query.shape[0], k_cache.shape[1])
+    return paged_decode_attention_torch(
+        query, k_cache, v_cache, block_tables, context_lens, scale, metadata
+    )
 
 
 def paged_extend_attention(

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from kernels.backend import dot_dtype, runnable
 from kernels.decode_split import choose_partition, merge_partitions
-from kernels.paged_gather import batch_block_ids, gather_tokens, masked_scores_bias
+from kernels.paged_gather import gather_tokens
+from kernels.step_metadata import DecodeMetadata, decode_metadata
 from kernels.triton_compat import tl, triton
 from kernels.validate import (
     check_block_tables,
@@ -165,9 +166,6 @@ def check_decode(
 # under this many bytes: small buffers are reused by the allocator and still in
 # cache when SDPA reads them, where one gather of the whole batch costs fresh
 # pages (page faults) and a second pass over memory.
-_GATHER_CHUNK_BYTES = 4 << 20
-
-
 def paged_decode_attention_torch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -175,56 +173,32 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    metadata: DecodeMetadata | None = None,
 ) -> torch.Tensor:
     """Reference: per group of sequences, gather whole blocks, then one masked SDPA.
 
     GQA without copying K/V per query head: the GROUP query heads of a KV head
     become SDPA's query-length axis, ``q [b, H_kv, GROUP, D]`` against
     ``k [b, H_kv, T, D]``, so every query row sees the same key mask.
+    ``metadata`` (from ``decode_metadata``; built here when None) holds the groups,
+    gather ids and masks, so a step's layers share one build.
     """
-    batch = query.shape[0]
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-    lens = context_lens.tolist()
-    start = 0
-    while start < batch:
-        end, longest = start + 1, lens[start]
-        while end < batch:
-            grown = max(longest, lens[end])
-            if (end + 1 - start) * grown * row_bytes > _GATHER_CHUNK_BYTES:
-                break
-            end, longest = end + 1, grown
-        out[start:end] = _decode_group(
-            query[start:end],
-            k_cache,
-            v_cache,
-            block_tables[start:end],
-            context_lens[start:end],
-            scale,
-        )
-        start = end
-    return out
-
-
-def _decode_group(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
     batch, num_q_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    ids, padded_len = batch_block_ids(block_tables, context_lens, block_size)
-    k = gather_tokens(k_cache, ids).transpose(1, 2)  # [b, H_kv, T, D]
-    v = gather_tokens(v_cache, ids).transpose(1, 2)
-    positions = torch.arange(padded_len, device=query.device)
-    allowed = positions[None, :] < context_lens.long()[:, None]
-    bias = masked_scores_bias(allowed, query.dtype)[:, None, None, :]  # [b, 1, 1, T]
-    q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    return out.reshape(batch, num_q_heads, head_dim)
+    num_kv_heads = k_cache.shape[2]
+    if metadata is None:
+        row_bytes = num_kv_heads * head_dim * k_cache.element_size()
+        metadata = decode_metadata(
+            block_tables, context_lens, k_cache.shape[1], row_bytes, query.dtype
+        )
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    grouped = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    for group in metadata.groups:
+        k = gather_tokens(k_cache, group.ids).transpose(1, 2)  # [b, H_kv, T, D]
+        v = gather_tokens(v_cache, group.ids).transpose(1, 2)
+        q = grouped[group.start : group.end]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.bias, scale=scale)
+        out[group.start : group.end] = o.view(-1, num_q_heads, head_dim)
+    return out
 
 
 def paged_decode_attention_triton(

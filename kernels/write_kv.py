@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import runnable
+from kernels.step_metadata import WriteIndex, write_index
 from kernels.triton_compat import tl, triton
 from kernels.validate import check_index, check_kv_caches
 
@@ -105,16 +106,19 @@ def write_kv_torch(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    index: WriteIndex | None = None,
 ) -> None:
-    """Reference: indexed assignment through (block, offset) pairs, in place."""
-    block_size = k_cache.shape[1]
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key
-    v_cache[blocks, offsets] = value
+    """Reference: indexed assignment through (block, offset) pairs, in place.
+
+    ``index`` (from ``write_index``; built here when None) lets a step's layers
+    share one split of the slots.
+    """
+    if index is None:
+        index = write_index(slot_mapping, k_cache.shape[1])
+    if index.keep is not None:
+        key, value = key[index.keep], value[index.keep]
+    k_cache[index.blocks, index.offsets] = key
+    v_cache[index.blocks, index.offsets] = value
 
 
 def write_kv_triton(

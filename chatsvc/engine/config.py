@@ -36,6 +36,7 @@ class EngineConfig:
     max_defer_steps: int = 4  # 0: never wait for another request's prefill of a prefix
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
+    num_threads: int | None = None  # torch intra-op threads; None: one per CPU core
 
     def validate(self) -> EngineConfig:
         """Raise ValueError on the first bad value; returns self."""
@@ -55,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_wait_steps < 1:
             raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_defer_steps < 0:
             raise ValueError(f"max_defer_steps must be >= 0, got {self.max_defer_steps}")
         return self

@@ -34,6 +34,8 @@ from chatsvc.engine.layers import (
 )
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
+from kernels import step_metadata
+from kernels.backend import resolve_backend
 from kernels.kv_layout import KVShape, layer_views
 
 
@@ -129,6 +131,23 @@ class LlamaModel:
         if bool(((tables < 0) | (tables >= num_blocks)).any()):
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
+    def _step_metadata(self, batch: ForwardBatch, block_size: int):
+        """The torch kernels' slot split and decode gather metadata, once for all layers.
+
+        (None, None) where the kernels run Triton, which reads the raw tensors itself.
+        """
+        if resolve_backend(None, self.device) != "torch":
+            return None, None
+        index = step_metadata.write_index(batch.slot_mapping, block_size)
+        if not batch.is_decode:
+            return index, None
+        c = self.config
+        row_bytes = c.num_kv_heads * c.head_dim * self.weights.embed.element_size()
+        metadata = step_metadata.decode_metadata(
+            batch.block_tables, batch.context_lens, block_size, row_bytes, self.dtype
+        )
+        return index, metadata
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         """Run one step; returns fp32 logits ``[B, vocab]`` of each sequence's last new token.
@@ -145,6 +164,7 @@ class LlamaModel:
         mm, mm_add = self._linear, self._linear_add
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
+        write_index, decode_metadata = self._step_metadata(batch, kv_pool.shape[3])
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
             x = F.rms_norm(h, hidden, layer.input_norm, eps)
@@ -155,7 +175,9 @@ class LlamaModel:
             k = qk[:, c.num_heads :]  # [T, H_kv, D]
             v = qkv[:, q_size + kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = layer_views(kv_pool, layer_id)
-            kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, check_bounds=False)
+            kernels.write_kv(
+                k_cache, v_cache, k, v, batch.slot_mapping, check_bounds=False, index=write_index
+            )
             if batch.is_decode:
                 o = kernels.paged_decode_attention(
                     q,
@@ -165,6 +187,7 @@ class LlamaModel:
                     batch.context_lens,
                     self.scale,
                     check_bounds=False,
+                    metadata=decode_metadata,
                 )
             else:
                 o = kernels.paged_extend_attention(
