@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import make_generator, sample
 from chatsvc.engine.scheduler import Scheduler, SchedulerConfig
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.engine.threads import set_torch_threads
 
 
 @dataclass(frozen=True)
@@ -58,24 +58,12 @@ class _RequestState:
         return len(self.seqs) < self.request.sampling.n
 
 
-def _set_torch_threads(num_threads: int | None) -> None:
-    """Intra-op threads (process-wide): the config's, else OMP_NUM_THREADS, else every core.
-
-    On a CPU shared with other busy processes, 1 thread can be much faster than
-    2: OpenMP threads wait at barriers for a descheduled peer (docs/engine.md).
-    """
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    elif not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(os.cpu_count() or 1)
-
-
 class LLMEngine:
     """Synchronous engine over one model, one KV cache and one scheduler."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config.validate()
-        _set_torch_threads(config.num_threads)
+        set_torch_threads(config.num_threads)
         if loaded is None:
             loaded = load_model(
                 config.model, config.dtype, config.device, config.max_model_len, config.seed
