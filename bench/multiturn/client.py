@@ -52,11 +52,13 @@ class RunResult:
     system: str
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
+    truncated: bool = False
 
     def to_json(self) -> dict:
         return {
             "system": self.system,
             "wall_s": self.wall_s,
+            "truncated": self.truncated,
             "records": [asdict(r) for r in self.records],
         }
 
