@@ -117,7 +117,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> SoakReport:
             "CHATSVC_ADMIN_KEY": ADMIN_KEY,
             "CHATSVC_NUM_GPU_BLOCKS": str(args.gpu_blocks),
             "CHATSVC_NUM_HOST_BLOCKS": str(args.host_blocks),
-            "CHATSVC_MAX_MODEL_LEN": "2048",
+            "CHATSVC_MAX_MODEL_LEN": str(args.max_model_len),
             "CHATSVC_MAX_TOKENS_CAP": str(max(64, args.max_tokens)),
             "CHATSVC_MAX_STREAMS_PER_TENANT": str(args.streams),
         }
@@ -188,14 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--gpu-blocks", type=int, default=1024)
+    parser.add_argument(
+        "--max-model-len", type=int, default=2048, help="a conversation starts a new session here"
+    )
     parser.add_argument("--host-blocks", type=int, default=256)
     parser.add_argument("--warmup-minutes", type=float, default=2)
     parser.add_argument("--idle-s", type=float, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the raw figures as JSON")
     args = parser.parse_args(argv)
-    if args.streams < 1 or args.minutes <= 0 or args.max_tokens < 1:
-        parser.error("--streams, --minutes and --max-tokens must be positive")
+    if min(args.streams, args.max_tokens, args.max_model_len) < 1 or args.minutes <= 0:
+        parser.error("--streams, --minutes, --max-tokens and --max-model-len must be positive")
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         report = asyncio.run(run(args, Path(tmp)))
     print(summary(report, args.warmup_minutes))
