@@ -24,7 +24,7 @@ from .pending import PendingBlocks
 from .plan import EMPTY_PLAN, AllocResult, AppendResult, PlanBuilder, PrefixMatch
 from .prefix_index import DEVICE, HOST
 from .sequence import Sequence
-from .stats import CacheStats
+from .stats import CacheStats, used_token_slots
 from .tiers import TieredBlocks
 
 _MAX_TOKEN_ID = 2**32
@@ -324,6 +324,9 @@ class KVCacheManager:
         snapshot.update(self.tiers.usage())
         snapshot["num_sequences"] = len(self._seqs)
         snapshot["pending_blocks"] = len(self.pending)
+        snapshot["device"]["used_token_slots"] = used_token_slots(
+            self._seqs.values(), self.block_size
+        )
         return snapshot
 
     def check_integrity(self) -> None:

@@ -103,3 +103,20 @@ class CacheStats:
             "swapped_out_blocks": self.swapped_out_blocks,
             "cow_copies": self.cow_copies,
         }
+
+
+def used_token_slots(seqs, block_size: int) -> int:
+    """Token slots of referenced device blocks that hold (or are reserved for) a token.
+
+    A block shared by several sequences counts once, with its fullest use, so
+    ``used / (referenced blocks * block_size)`` is the pool's slot utilisation
+    (1 - internal fragmentation) whatever the sharing.
+    """
+    filled: dict[int, int] = {}
+    for seq in seqs:
+        num_tokens = len(seq.token_ids)
+        for index, block_id in enumerate(seq.table.block_ids):
+            n = min(block_size, num_tokens - index * block_size)
+            if n > filled.get(block_id, 0):
+                filled[block_id] = n
+    return sum(filled.values())

@@ -144,6 +144,7 @@ def test_eviction_takes_least_recently_used_leaf_first():
         "used": 0,
         "cached": 3,
         "evictable": 3,
+        "used_token_slots": 0,
     }
     # Needs 4: one eviction. Leaves are old1 and new0; old1 is older.
     mgr.allocate("big", list(range(50, 66)), TENANT_A)
@@ -257,3 +258,16 @@ def test_everything_is_released_after_all_sequences_finish():
     snap = mgr.stats_snapshot()["device"]
     assert snap["used"] == 0 and snap["free"] + snap["cached"] == 8
     mgr.check_integrity()
+
+
+def test_used_token_slots_count_shared_blocks_once():
+    mgr = make()
+    run_prompt(mgr, "p", [1, 2, 3, 4, 5, 6])  # [full][2 of 4]
+    assert mgr.stats_snapshot()["device"]["used_token_slots"] == 6
+    mgr.fork("p", "c")  # shares both blocks: still 6 slots in use
+    assert mgr.stats_snapshot()["device"]["used_token_slots"] == 6
+    mgr.append_slots("c", [7])  # CoW: the child's copy of block 1 holds 3 tokens
+    assert mgr.stats_snapshot()["device"]["used_token_slots"] == 4 + 2 + 3
+    mgr.free("p")
+    mgr.free("c")
+    assert mgr.stats_snapshot()["device"]["used_token_slots"] == 0
