@@ -132,7 +132,7 @@ def test_random_stream_cuts_leak_nothing(server, globex, admin):
     parallel = RELIABILITY_LIMITS.max_streams_per_tenant
     sessions = [new_session(globex)["id"] for _ in range(parallel)]
     cuts: list[dict] = []
-    for round_no in range(8):
+    for round_no in range(9):
         # Every session of the round streams at once; each client hangs up at its own point.
         plan = []
         for sid in sessions:
