@@ -62,6 +62,9 @@ class Settings:
     data_dir: Path | None = None
     key_prefix: str = "chatsvc"
     session_ttl_s: int | None = None
+    # A turn lock is renewed every third of this while its turn runs; a short TTL
+    # only bounds how long a crashed replica's turn keeps its session busy (409).
+    turn_lock_ttl_s: int = 10
     admin_key: str | None = None
     api_keys: tuple[tuple[str, str], ...] = ()
     limits: Limits = field(default_factory=Limits)
@@ -91,6 +94,8 @@ class Settings:
             )
         if self.session_ttl_s is not None and self.session_ttl_s < 1:
             raise SettingsError(f"session TTL must be positive seconds, got {self.session_ttl_s}")
+        if not 1 <= self.turn_lock_ttl_s <= 3600:
+            raise SettingsError(f"turn lock TTL must be 1..3600 s, got {self.turn_lock_ttl_s}")
         if self.admin_key is not None and len(self.admin_key) < 8:
             raise SettingsError("admin key must be at least 8 characters")
         names = [name for name, _ in self.api_keys]
@@ -137,6 +142,7 @@ class Settings:
             data_dir=Path(get("DATA_DIR")).expanduser() if get("DATA_DIR") else None,
             key_prefix=get("KEY_PREFIX") or "chatsvc",
             session_ttl_s=None if ttl is None else _parse_int(ENV_PREFIX + "SESSION_TTL_S", ttl, 0),
+            turn_lock_ttl_s=_parse_int(ENV_PREFIX + "TURN_LOCK_TTL_S", get("TURN_LOCK_TTL_S"), 10),
             admin_key=get("ADMIN_KEY"),
             api_keys=parse_api_keys(get("API_KEYS") or ""),
             limits=limits,

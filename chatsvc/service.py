@@ -122,7 +122,10 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
             url = embedded.url
             log.info("embedded Redis at %s (data in %s)", url, settings.redis_dir())
         store = await Store.connect(
-            url, prefix=settings.key_prefix, session_ttl_s=settings.session_ttl_s
+            url,
+            prefix=settings.key_prefix,
+            session_ttl_s=settings.session_ttl_s,
+            lock_ttl_s=settings.turn_lock_ttl_s,
         )
         stack.push_async_callback(store.close)
         local = await bootstrap_tenants(store, settings)

@@ -27,6 +27,7 @@ def test_reads_every_variable():
             "CHATSVC_API_KEYS": "acme:key-aaaa-1111, globex:key:with:colons",
             "CHATSVC_MAX_TOKENS_CAP": "99",
             "CHATSVC_MAX_STREAMS_PER_TENANT": "2",
+            "CHATSVC_TURN_LOCK_TTL_S": "5",
         }
     )
     assert (settings.host, settings.port) == ("0.0.0.0", 9000)
@@ -36,6 +37,7 @@ def test_reads_every_variable():
     assert settings.api_keys == (("acme", "key-aaaa-1111"), ("globex", "key:with:colons"))
     assert settings.limits.max_tokens_cap == 99
     assert settings.limits.max_streams_per_tenant == 2
+    assert settings.turn_lock_ttl_s == 5
 
 
 def test_refuses_public_host_without_keys():
@@ -58,6 +60,7 @@ def test_refuses_public_host_without_keys():
         ({"CHATSVC_API_KEYS": "a:key-00000001,a:key-00000002"}, "once"),
         ({"CHATSVC_API_KEYS": "a:key-00000001,b:key-00000001"}, "distinct"),
         ({"CHATSVC_ADMIN_KEY": "short"}, "admin key"),
+        ({"CHATSVC_TURN_LOCK_TTL_S": "0"}, "turn lock TTL"),
     ],
 )
 def test_bad_values_raise_clear_errors(env, match):
