@@ -6,14 +6,14 @@ and use unique texts, so they do not depend on each other's order.
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
 import pytest
 import redis
 
 from chatsvc.config import Limits, Settings
+from tests import http_helpers
 from tests.api.live_server import ThreadServer
+from tests.http_helpers import keyspace, new_session, say, unique  # noqa: F401 - re-exported
 from tests.redis_server import unique_prefix
 
 ACME_KEY = "acme-secret-key-0001"
@@ -65,8 +65,7 @@ def api(redis_server):
 
 
 def client(api, key: str | None) -> httpx.Client:
-    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-    return httpx.Client(base_url=api.url, headers=headers, timeout=300)
+    return http_helpers.client(api.url, key, timeout_s=300)
 
 
 @pytest.fixture
@@ -91,26 +90,3 @@ def admin(api):
 def raw_redis(redis_server):
     with redis.Redis.from_url(redis_server.url) as r:
         yield r
-
-
-def keyspace(raw_redis, prefix: str) -> dict[bytes, bytes]:
-    """Every key under ``prefix`` with its serialized value (DUMP): a full snapshot."""
-    return {key: raw_redis.dump(key) for key in raw_redis.scan_iter(match=f"{prefix}:*")}
-
-
-def unique(text: str) -> str:
-    """``text`` tagged so no other test (or earlier run) has sent the same tokens."""
-    return f"[{uuid.uuid4().hex[:8]}] {text}"
-
-
-def new_session(http: httpx.Client, **body) -> dict:
-    response = http.post("/sessions", json=body)
-    assert response.status_code == 201, response.text
-    return response.json()
-
-
-def say(http: httpx.Client, session_id: str, text: str, **options) -> dict:
-    body = {"content": text, "max_tokens": 8, "temperature": 0, **options}
-    response = http.post(f"/sessions/{session_id}/messages", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()

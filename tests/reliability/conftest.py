@@ -14,7 +14,7 @@ each other's order. ``start_server`` starts another one with other limits.
 from __future__ import annotations
 
 import contextlib
-import uuid
+import functools
 from collections.abc import Iterator
 
 import httpx
@@ -22,7 +22,9 @@ import pytest
 import redis
 
 from chatsvc.config import Limits, Settings
+from tests import http_helpers
 from tests.api.live_server import ThreadServer
+from tests.http_helpers import keyspace, new_session, unique  # noqa: F401 - re-exported
 from tests.redis_server import unique_prefix
 
 ACME_KEY = "acme-reliability-key-01"
@@ -85,8 +87,7 @@ def server(redis_server) -> Iterator[ThreadServer]:
 
 
 def client(server: ThreadServer, key: str | None, timeout_s: float = 120) -> httpx.Client:
-    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=timeout_s)
+    return http_helpers.client(server.url, key, timeout_s)
 
 
 @pytest.fixture
@@ -119,27 +120,8 @@ def raw_redis(redis_server):
         yield r
 
 
-def keyspace(raw_redis: redis.Redis, prefix: str) -> dict[bytes, bytes]:
-    """Every key under ``prefix`` with its serialized value (DUMP): a full snapshot."""
-    return {key: raw_redis.dump(key) for key in raw_redis.scan_iter(match=f"{prefix}:*")}
-
-
-def unique(text: str) -> str:
-    """``text`` tagged so that no other test (or earlier run) sent the same tokens."""
-    return f"[{uuid.uuid4().hex[:8]}] {text}"
-
-
-def new_session(http: httpx.Client, **body) -> dict:
-    response = http.post("/sessions", json=body)
-    assert response.status_code == 201, response.text
-    return response.json()
-
-
-def say(http: httpx.Client, session_id: str, text: str, **options) -> dict:
-    body = {"content": text, "max_tokens": 4, "temperature": 0, **options}
-    response = http.post(f"/sessions/{session_id}/messages", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+# Turns here are 4 tokens: the reliability checks need a stored turn, not text.
+say = functools.partial(http_helpers.say, max_tokens=4)
 
 
 def cache_idle_report(admin: httpx.Client) -> dict:
