@@ -15,8 +15,8 @@ class EngineConfig:
     """What to serve and how much memory and batch room to give it.
 
     KV pool size: ``num_gpu_blocks`` when set, else ``kv_cache_bytes`` divided by the
-    bytes of one block (all layers, K and V). ``num_host_blocks`` > 0 adds the host
-    tier that evicted prefix blocks move to. ``max_model_len`` caps the context
+    bytes of one block (all layers, K and V). ``num_host_blocks`` sizes the host
+    tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len`` caps the context
     (default: the model's own limit). ``debug_checks`` runs the cache's integrity
     checker after every mutation (slow; for tests).
     """
@@ -27,7 +27,9 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
-    num_host_blocks: int = 0
+    # None: on CUDA, a host tier as large as the device pool (pinned memory);
+    # on CPU none, since "host" would be the same RAM: raise kv_cache_bytes instead.
+    num_host_blocks: int | None = None
     enable_prefix_cache: bool = True
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -48,7 +50,7 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if self.num_host_blocks < 0:
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -72,6 +74,12 @@ class EngineConfig:
                 f"kv_cache_bytes={self.kv_cache_bytes} holds no block of {block_bytes} bytes"
             )
         return num_blocks
+
+    def host_blocks_for(self, num_gpu_blocks: int) -> int:
+        """Blocks of the host tier that evicted prefix blocks move to (0 = none)."""
+        if self.num_host_blocks is not None:
+            return self.num_host_blocks
+        return num_gpu_blocks if self.device.startswith("cuda") else 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> EngineConfig:

@@ -79,10 +79,11 @@ class LLMEngine:
         self.max_context_len = min(limit, self.model.max_positions)
         shape = self.model.kv_shape(config.block_size)
         self.num_gpu_blocks = config.num_blocks_for(shape.block_bytes(self.model.dtype))
+        self.num_host_blocks = config.host_blocks_for(self.num_gpu_blocks)
         self.cache = KVCacheManager(
             self.num_gpu_blocks,
             config.block_size,
-            num_host_blocks=config.num_host_blocks,
+            num_host_blocks=self.num_host_blocks,
             enable_prefix_cache=config.enable_prefix_cache,
             debug_checks=config.debug_checks,
         )
@@ -97,7 +98,7 @@ class LLMEngine:
             ),
         )
         self.runner = ModelRunner(
-            self.model, config.block_size, self.num_gpu_blocks, config.num_host_blocks
+            self.model, config.block_size, self.num_gpu_blocks, self.num_host_blocks
         )
         self.default_stop_ids = frozenset(self.chat_format.stop_token_ids) | frozenset(
             loaded.config.eos_token_ids

@@ -1,0 +1,21 @@
+"""EngineConfig: the host tier's default and its variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatsvc.engine.config import EngineConfig
+
+
+def test_host_tier_defaults_to_the_device_pool_on_cuda_and_none_on_cpu():
+    assert EngineConfig(device="cpu").host_blocks_for(100) == 0
+    assert EngineConfig(device="cuda").host_blocks_for(100) == 100
+    assert EngineConfig(device="cuda:1").host_blocks_for(7) == 7
+
+
+def test_host_tier_size_can_be_set_either_way():
+    assert EngineConfig(device="cpu", num_host_blocks=32).host_blocks_for(100) == 32
+    assert EngineConfig(device="cuda", num_host_blocks=0).host_blocks_for(100) == 0
+    assert EngineConfig.from_env({"CHATSVC_NUM_HOST_BLOCKS": "64"}).host_blocks_for(8) == 64
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        EngineConfig(num_host_blocks=-1).validate()
