@@ -1,7 +1,7 @@
 """Engine benchmark: concurrent multi-turn conversations with a shared system prompt.
 
     .venv/bin/python -m bench.engine [--conversations 16] [--turns 6] [--max-tokens 8]
-        [--max-defer-steps 4]
+        [--system-repeat 3] [--max-defer-steps 4]
 
 Runs the workload through AsyncEngine twice, prefix cache on and off, and prints
 per-turn TTFT (median over conversations), output tokens/s, and the prefix hit
@@ -20,10 +20,11 @@ from cache import Namespace
 from chatsvc.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
 from chatsvc.engine.loader import load_model
 
-SYSTEM = (
+# One sentence of the shared system prompt (~33 tokens); --system-repeat sets its length.
+SYSTEM_SENTENCE = (
     "You are a concise assistant for a travel company. Answer in one or two sentences, "
     "stay friendly, never invent prices, and suggest one concrete next step. "
-) * 3
+)
 TOPICS = ["Lisbon", "Kyoto", "Oslo", "Lima", "Cairo", "Hanoi", "Quebec", "Perth"]
 
 
@@ -47,9 +48,11 @@ class IdealTracker:
             self.prefixes.add(hash(tuple(computed[:end])))
 
 
-async def conversation(engine, conv: int, turns: int, max_tokens: int, tracker, rows) -> None:
+async def conversation(engine, conv: int, args, tracker, rows) -> None:
+    turns, max_tokens = args.turns, args.max_tokens
     fmt = engine.chat_format
-    system = fmt.tokenize(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+    system_text = SYSTEM_SENTENCE * args.system_repeat
+    system = fmt.tokenize(f"<|im_start|>system\n{system_text}<|im_end|>\n")
     namespace = Namespace(tenant_salt=b"bench", shared_prefix_len=len(system), label="bench")
     history = list(system)
     end_turn = fmt.tokenize("<|im_end|>\n")
@@ -98,10 +101,7 @@ async def run(loaded, args, enable_prefix_cache: bool) -> dict:
     start = time.perf_counter()
     try:
         await asyncio.gather(
-            *(
-                conversation(engine, c, args.turns, args.max_tokens, tracker, rows)
-                for c in range(args.conversations)
-            )
+            *(conversation(engine, c, args, tracker, rows) for c in range(args.conversations))
         )
     finally:
         await engine.stop()
@@ -124,6 +124,12 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--system-repeat",
+        type=int,
+        default=3,
+        help="sentences in the shared system prompt (~33 tokens each)",
+    )
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--batch-tokens", type=int, default=512)
     parser.add_argument(
@@ -138,7 +144,8 @@ def main() -> None:
     on, off = results[True], results[False]
     print(
         f"model={loaded.name} dtype={loaded.model.dtype} conversations={args.conversations} "
-        f"turns={args.turns} max_tokens={args.max_tokens} max_defer_steps={args.max_defer_steps}"
+        f"turns={args.turns} max_tokens={args.max_tokens} max_defer_steps={args.max_defer_steps} "
+        f"system_repeat={args.system_repeat}"
     )
     print("turn  ttft_cache_ms  ttft_nocache_ms  speedup")
     for t in range(args.turns):
