@@ -64,7 +64,7 @@ class Settings:
     session_ttl_s: int | None = None
     # A turn lock is renewed every third of this while its turn runs; a short TTL
     # only bounds how long a crashed replica's turn keeps its session busy (409).
-    turn_lock_ttl_s: int = 10
+    turn_lock_ttl_s: int = 30
     admin_key: str | None = None
     api_keys: tuple[tuple[str, str], ...] = ()
     limits: Limits = field(default_factory=Limits)
@@ -142,7 +142,7 @@ class Settings:
             data_dir=Path(get("DATA_DIR")).expanduser() if get("DATA_DIR") else None,
             key_prefix=get("KEY_PREFIX") or "chatsvc",
             session_ttl_s=None if ttl is None else _parse_int(ENV_PREFIX + "SESSION_TTL_S", ttl, 0),
-            turn_lock_ttl_s=_parse_int(ENV_PREFIX + "TURN_LOCK_TTL_S", get("TURN_LOCK_TTL_S"), 10),
+            turn_lock_ttl_s=_parse_int(ENV_PREFIX + "TURN_LOCK_TTL_S", get("TURN_LOCK_TTL_S"), 30),
             admin_key=get("ADMIN_KEY"),
             api_keys=parse_api_keys(get("API_KEYS") or ""),
             limits=limits,
