@@ -37,6 +37,7 @@ from kernels.extend_attention import (
     paged_extend_attention_torch,
     paged_extend_attention_triton,
 )
+from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
 from kernels.step_metadata import (
     DecodeMetadata,
     WriteIndex,
@@ -122,6 +123,7 @@ def paged_extend_attention(
     backend: str | None = None,
     check_bounds: bool = True,
     max_query_len: int | None = None,
+    metadata: ExtendMetadata | None = None,
 ) -> torch.Tensor:
     """Causal attention of new-token chunks over their cached prefix and themselves.
 
@@ -129,6 +131,9 @@ def paged_extend_attention(
     ``query_start_loc[b]:query_start_loc[b + 1]``; context_lens ``[B]`` counts each
     sequence's tokens including the new ones (already written). Returns
     ``[T, H_q, D]``. ``max_query_len`` spares the Triton path a host sync.
+    ``metadata`` (``kernels.extend_metadata.extend_metadata`` of the same step)
+    spares the torch path rebuilding its groups and masks per layer; Triton
+    ignores it.
     """
     check_extend(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, check_bounds
@@ -144,8 +149,16 @@ def paged_extend_attention(
             scale,
             max_query_len,
         )
+    if metadata is not None:
+        check_extend_metadata(
+            metadata,
+            query.shape[0],
+            context_lens.shape[0],
+            k_cache.shape[1],
+            query.shape[1] // k_cache.shape[2],
+        )
     return paged_extend_attention_torch(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, metadata
     )
 
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import dot_dtype, runnable
-from kernels.paged_gather import gather_tokens, masked_scores_bias
+from kernels.extend_metadata import ExtendGroup, ExtendMetadata, extend_metadata
+from kernels.paged_gather import gather_tokens
 from kernels.triton_compat import tl, triton
 from kernels.validate import (
     check_block_tables,
@@ -166,34 +167,67 @@ def paged_extend_attention_torch(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    metadata: ExtendMetadata | None = None,
 ) -> torch.Tensor:
-    """Reference: per sequence, gather its K/V and run SDPA with an offset causal mask."""
-    num_q_heads = query.shape[1]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    gqa = num_q_heads != num_kv_heads
+    """Reference: per group of sequences (``kernels.extend_metadata``), gather whole
+    blocks and run one masked SDPA; a lone prompt without a prefix runs plain causal.
+
+    ``metadata`` (built here when None) holds the groups, gather ids and masks, so a
+    step's layers share one build.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_q_heads // num_kv_heads
+    if metadata is None:
+        row_bytes = num_kv_heads * head_dim * k_cache.element_size()
+        metadata = extend_metadata(
+            block_tables,
+            query_start_loc,
+            context_lens,
+            k_cache.shape[1],
+            group_size,
+            row_bytes,
+            query.dtype,
+        )
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for b, context_len in enumerate(lens):
-        start, end = starts[b], starts[b + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        ids = block_tables[b, : -(-context_len // block_size)].long()
-        k = gather_tokens(k_cache, ids)[:context_len].transpose(0, 1)[None]  # [1, H_kv, ctx, D]
-        v = gather_tokens(v_cache, ids)[:context_len].transpose(0, 1)[None]
-        q = query[start:end].transpose(0, 1)[None]  # [1, H_q, q_len, D]
-        prefix = context_len - q_len
-        if prefix == 0:
-            # Plain causal prefill: the fused kernel skips the masked half.
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            key_pos = torch.arange(context_len, device=query.device)
-            q_pos = prefix + torch.arange(q_len, device=query.device)
-            bias = masked_scores_bias(key_pos[None, :] <= q_pos[:, None], query.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
-        out[start:end] = o[0].transpose(0, 1)
+    for group in metadata.groups:
+        out[group.row_start : group.row_end] = _attend_group(
+            query[group.row_start : group.row_end], k_cache, v_cache, group, group_size, scale
+        )
     return out
+
+
+def _attend_group(
+    rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: ExtendGroup,
+    group_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output ``[rows, H_q, D]`` of one group's query rows."""
+    num_q_heads, head_dim = rows.shape[1], rows.shape[2]
+    num_kv_heads = num_q_heads // group_size
+    k = gather_tokens(k_cache, group.ids)[:, : group.num_keys].transpose(1, 2)  # [b, H_kv, K, D]
+    v = gather_tokens(v_cache, group.ids)[:, : group.num_keys].transpose(1, 2)
+    if group.bias is None:
+        q = rows.transpose(0, 1)[None]  # [1, H_q, q_len, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=group_size > 1
+        )
+        return o[0].transpose(0, 1)
+    b, q_pad = group.batch, group.q_pad
+    if group.gather_rows is not None:
+        rows = rows.index_select(0, group.gather_rows)
+    # [b * Q, H_q, D] -> [b, H_kv, GROUP * Q, D]: one KV head's query heads share its keys.
+    q = rows.view(b, q_pad, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(b, num_kv_heads, group_size * q_pad, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.bias, scale=scale)
+    o = o.view(b, num_kv_heads, group_size, q_pad, head_dim).permute(0, 3, 1, 2, 4)
+    o = o.reshape(b * q_pad, num_q_heads, head_dim)
+    if group.valid_rows is not None:
+        o = o.index_select(0, group.valid_rows)
+    return o
 
 
 def paged_extend_attention_triton(

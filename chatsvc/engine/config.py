@@ -16,8 +16,8 @@ class EngineConfig:
 
     KV pool size: ``num_gpu_blocks`` when set, else ``kv_cache_bytes`` divided by the
     bytes of one block (all layers, K and V). ``num_host_blocks`` sizes the host
-    tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len`` caps the context
-    (default: the model's own limit). ``debug_checks`` runs the cache's integrity
+    tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len``
+    caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
     checker after every mutation (slow; for tests).
     """
 

@@ -36,6 +36,7 @@ from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
 from kernels import step_metadata
 from kernels.backend import resolve_backend
+from kernels.extend_metadata import extend_metadata
 from kernels.kv_layout import KVShape, layer_views
 
 
@@ -132,20 +133,29 @@ class LlamaModel:
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
     def _step_metadata(self, batch: ForwardBatch, block_size: int):
-        """The torch kernels' slot split and decode gather metadata, once for all layers.
+        """The torch kernels' slot split and attention groups, once for all layers.
 
         (None, None) where the kernels run Triton, which reads the raw tensors itself.
         """
         if resolve_backend(None, self.device) != "torch":
             return None, None
         index = step_metadata.write_index(batch.slot_mapping, block_size)
-        if not batch.is_decode:
-            return index, None
         c = self.config
         row_bytes = c.num_kv_heads * c.head_dim * self.weights.embed.element_size()
-        metadata = step_metadata.decode_metadata(
-            batch.block_tables, batch.context_lens, block_size, row_bytes, self.dtype
-        )
+        if batch.is_decode:
+            metadata = step_metadata.decode_metadata(
+                batch.block_tables, batch.context_lens, block_size, row_bytes, self.dtype
+            )
+        else:
+            metadata = extend_metadata(
+                batch.block_tables,
+                batch.query_start_loc,
+                batch.context_lens,
+                block_size,
+                c.num_heads // c.num_kv_heads,
+                row_bytes,
+                self.dtype,
+            )
         return index, metadata
 
     @torch.inference_mode()
@@ -164,7 +174,7 @@ class LlamaModel:
         mm, mm_add = self._linear, self._linear_add
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
-        write_index, decode_metadata = self._step_metadata(batch, kv_pool.shape[3])
+        write_index, attention_metadata = self._step_metadata(batch, kv_pool.shape[3])
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
             x = F.rms_norm(h, hidden, layer.input_norm, eps)
@@ -187,7 +197,7 @@ class LlamaModel:
                     batch.context_lens,
                     self.scale,
                     check_bounds=False,
-                    metadata=decode_metadata,
+                    metadata=attention_metadata,
                 )
             else:
                 o = kernels.paged_extend_attention(
@@ -200,6 +210,7 @@ class LlamaModel:
                     self.scale,
                     check_bounds=False,
                     max_query_len=batch.max_query_len,
+                    metadata=attention_metadata,
                 )
             h = mm_add(o.reshape(num_tokens, q_size), layer.o_weight, h)
             x = F.rms_norm(h, hidden, layer.post_norm, eps)
