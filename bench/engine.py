@@ -18,7 +18,6 @@ import time
 
 from cache import Namespace
 from chatsvc.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
-from chatsvc.engine.loader import load_model
 
 # One sentence of the shared system prompt (~33 tokens); --system-repeat sets its length.
 SYSTEM_SENTENCE = (
@@ -85,7 +84,7 @@ async def conversation(engine, conv: int, args, tracker, rows) -> None:
         history = prompt + output + end_turn[1:]
 
 
-async def run(loaded, args, enable_prefix_cache: bool) -> dict:
+async def run(args, enable_prefix_cache: bool) -> dict:
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -94,8 +93,11 @@ async def run(loaded, args, enable_prefix_cache: bool) -> dict:
         max_num_batched_tokens=args.batch_tokens,
         max_defer_steps=args.max_defer_steps,
     )
-    engine = AsyncEngine(config, loaded=loaded)
+    # The engine loads the model on its own thread: a model loaded here would leave
+    # this thread an OpenMP team too, and two teams on 2 cores slow every step.
+    engine = AsyncEngine(config)
     await engine.start()
+    name, dtype = engine.model_name, engine.engine.model.dtype
     tracker = IdealTracker(config.block_size)
     rows: list = []
     start = time.perf_counter()
@@ -114,6 +116,7 @@ async def run(loaded, args, enable_prefix_cache: bool) -> dict:
         "ideal": sum(r[4] for r in rows),
         "prompt": sum(r[5] for r in rows),
         "elapsed": elapsed,
+        "model": f"{name} dtype={dtype}",
     }
 
 
@@ -139,11 +142,10 @@ def main() -> None:
         help="steps a request may wait for another's prefill of its prefix (0: never)",
     )
     args = parser.parse_args()
-    loaded = load_model(args.model, args.dtype)
-    results = {on: asyncio.run(run(loaded, args, on)) for on in (True, False)}
+    results = {on: asyncio.run(run(args, on)) for on in (True, False)}
     on, off = results[True], results[False]
     print(
-        f"model={loaded.name} dtype={loaded.model.dtype} conversations={args.conversations} "
+        f"model={on['model']} conversations={args.conversations} "
         f"turns={args.turns} max_tokens={args.max_tokens} max_defer_steps={args.max_defer_steps} "
         f"system_repeat={args.system_repeat}"
     )

@@ -6,10 +6,16 @@
                  await queue <- call_soon_threadsafe -- step() deltas / errors
 
 Only the engine thread touches LLMEngine; callers hand it commands through a
-locked list. torch releases the GIL in its kernels, so the loop stays
-responsive while a step runs. Leaving ``generate`` early (break, aclose,
-cancellation) queues an abort that the thread applies before its next step, so
-the request's blocks are free once the current step ends.
+locked list. The engine thread also builds the engine (loads and prepacks the
+model): with GNU OpenMP, every thread that runs a parallel region keeps its own
+team of workers, and once the process holds more OpenMP threads than cores the
+workers stop spinning between ops and sleep, which made each step ~1.7x slower
+on 2 cores. So torch's parallel work stays on this one thread.
+
+torch releases the GIL in its kernels, so the loop stays responsive while a
+step runs. Leaving ``generate`` early (break, aclose, cancellation) queues an
+abort that the thread applies before its next step, so the request's blocks
+are free once the current step ends.
 """
 
 from __future__ import annotations
@@ -44,14 +50,28 @@ class AsyncEngine:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model (in a worker thread) and start the engine thread."""
+        """Start the engine thread, which loads the model; returns once it is serving.
+
+        A load error is raised here (and the thread is gone).
+        """
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(LLMEngine, self.config, self._loaded)
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="chatsvc-engine", daemon=True)
+        ready: Future = Future()
+        self._thread = threading.Thread(
+            target=self._main, args=(ready,), name="chatsvc-engine", daemon=True
+        )
         self._thread.start()
+        try:
+            await asyncio.wrap_future(ready)
+        except BaseException:
+            # Load failed, or start() was cancelled mid-load: let the thread end.
+            self._stopping = True
+            self._wake.set()
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+            raise
 
     async def stop(self) -> None:
         """Abort everything in flight and join the engine thread."""
@@ -148,6 +168,17 @@ class AsyncEngine:
         with self._lock:
             self._commands.append((kind, (payload, future)))
         self._wake.set()
+
+    def _main(self, ready: Future) -> None:
+        if not ready.set_running_or_notify_cancel():
+            return  # start() was cancelled before the thread ran
+        try:
+            self.engine = LLMEngine(self.config, self._loaded)
+        except BaseException as error:  # noqa: BLE001 - raised in start()
+            ready.set_exception(error)
+            return
+        ready.set_result(None)
+        self._run()
 
     def _run(self) -> None:
         engine = self._engine

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from cache import Namespace
 from chatsvc.engine.async_engine import AsyncEngine
 from chatsvc.engine.config import EngineConfig
-from chatsvc.engine.errors import RequestTooLargeError
+from chatsvc.engine.errors import EngineStoppedError, RequestTooLargeError
 from chatsvc.engine.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -88,5 +89,39 @@ def test_stream_cancel_and_refuse(smollm2_fp32):
             assert engine.cache_stats()["num_sequences"] == 0
         finally:
             await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_engine_thread_builds_the_engine_and_a_load_error_reaches_start(monkeypatch):
+    # The engine (model load and prepack included) is built on the engine thread, so
+    # torch's OpenMP work stays on one thread (see the async_engine module docstring).
+    from chatsvc.engine import async_engine
+
+    built_on: list[str] = []
+    real_engine = async_engine.LLMEngine
+
+    def recording_engine(config, loaded=None):
+        built_on.append(threading.current_thread().name)
+        return real_engine(config, loaded)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", recording_engine)
+
+    async def scenario():
+        engine = AsyncEngine(EngineConfig(model="random:tiny-llama", dtype="fp32"))
+        await engine.start()
+        try:
+            assert built_on == ["chatsvc-engine"]
+            assert engine.model_name == "random:tiny-llama"
+        finally:
+            await engine.stop()
+
+        broken = AsyncEngine(EngineConfig(model="random:gpt-5", dtype="fp32"))
+        with pytest.raises(ValueError, match="gpt-5"):
+            await broken.start()
+        assert broken._thread is None and broken.engine is None
+        with pytest.raises(EngineStoppedError):
+            async for _ in broken.generate(_request(engine, "x")):
+                pass
 
     asyncio.run(scenario())
