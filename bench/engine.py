@@ -1,7 +1,10 @@
 """Engine benchmark: concurrent multi-turn conversations with a shared system prompt.
 
-    .venv/bin/python -m bench.engine [--conversations 16] [--turns 6] [--max-tokens 8]
-        [--system-repeat 3] [--max-defer-steps 4]
+    .venv/bin/python -m bench.engine [--conversations 16] [--turns 6] [--max-tokens 128]
+        [--system-repeat 15] [--max-defer-steps 4]
+
+Defaults are a typical chat: a ~500-token shared system prompt and answers of up to
+128 tokens, so by turn 3 a prompt holds ~1,000 tokens of history.
 
 Runs the workload through AsyncEngine twice, prefix cache on and off, and prints
 per-turn TTFT (median over conversations), output tokens/s, and the prefix hit
@@ -126,11 +129,11 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--system-repeat",
         type=int,
-        default=3,
+        default=15,
         help="sentences in the shared system prompt (~33 tokens each)",
     )
     parser.add_argument("--blocks", type=int, default=2048)

@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=180.0,
         help="cut each system's run after this many seconds (0 = no limit); cut runs are marked",
     )
-    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the servers")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for every server (default: unset, torch uses one per core)",
+    )
     p.add_argument("--out", default="bench/results", help="directory for JSON, PNG and markdown")
     p.add_argument("--smoke", action="store_true", help="tiny config: 2 conversations x 2 turns")
     return p

@@ -64,12 +64,10 @@ def build_spec(
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    if threads is None and system in ("hf", "hf-cb"):
-        # Both peers generate on a thread of their own beside the server's event loop
-        # (plain: one request at a time on a persistent inference thread; CB: a batching
-        # loop). With torch's default intra-op threads they ran 4-7x slower on the shared
-        # 2-core machine than with one (docs/benchmarks.md): the peers get the faster one.
-        threads = 1
+    # Every system gets the same intra-op threads: torch's default (one per core) unless
+    # --threads says otherwise. On a quiet 2-core machine the peers run faster with two
+    # than with one (hf-cb TTFT 483 vs 702 ms, docs/benchmarks.md); on a machine busy
+    # with other jobs one thread each is the fairer setting.
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     host = ("--host", "127.0.0.1", "--port", str(port))
