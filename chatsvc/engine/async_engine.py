@@ -226,12 +226,14 @@ class AsyncEngine:
                 future.set_result(result if kind == "call" else None)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
-        loop = self._loop
-        for out in outputs:
-            item = out.error if out.error is not None else out.delta
-            loop.call_soon_threadsafe(self._put, out.request_id, item)
+        # One wake-up of the event loop per step, not one per stream: each wake-up is a
+        # write to the loop's self-pipe and a turn of the loop, taken from the CPU the
+        # next step needs.
+        if outputs:
+            self._loop.call_soon_threadsafe(self._put_all, outputs)
 
-    def _put(self, request_id: str, item: object) -> None:
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(item)
+    def _put_all(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out.error if out.error is not None else out.delta)
