@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import KVCacheManager
+from chatsvc.engine.allocator import keep_freed_memory
 from chatsvc.engine.chat_format import ChatFormat
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
@@ -64,6 +65,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config.validate()
         set_torch_threads(config.num_threads)
+        keep_freed_memory()
         if loaded is None:
             loaded = load_model(
                 config.model, config.dtype, config.device, config.max_model_len, config.seed
