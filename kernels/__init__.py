@@ -38,12 +38,7 @@ from kernels.extend_attention import (
     paged_extend_attention_triton,
 )
 from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
-from kernels.step_metadata import (
-    DecodeMetadata,
-    WriteIndex,
-    check_decode_metadata,
-    check_write_index,
-)
+from kernels.step_metadata import WriteIndex, check_write_index
 from kernels.write_kv import check_write_kv, write_kv_torch, write_kv_triton
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_extend_attention", "write_kv"]
@@ -87,7 +82,7 @@ def paged_decode_attention(
     backend: str | None = None,
     check_bounds: bool = True,
     partition_size: int | None = None,
-    metadata: DecodeMetadata | None = None,
+    metadata: ExtendMetadata | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -95,9 +90,9 @@ def paged_decode_attention(
     (tokens of each sequence including the new one, whose K/V is already
     written); returns ``[B, H_q, D]`` in the query's dtype. ``partition_size``
     forces the Triton split-context path (tokens per program). ``metadata``
-    (``kernels.step_metadata.decode_metadata`` of the same tables and lengths)
-    spares the torch path rebuilding gather ids and masks per layer; Triton
-    ignores it.
+    (``kernels.extend_metadata.extend_metadata`` of the same tables and lengths,
+    one new token per sequence) spares the torch path rebuilding gather ids and
+    masks per layer; Triton ignores it.
     """
     check_decode(query, k_cache, v_cache, block_tables, context_lens, scale, check_bounds)
     if resolve_backend(backend, query.device) == "triton":
@@ -105,7 +100,10 @@ def paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale, partition_size
         )
     if metadata is not None:
-        check_decode_metadata(metadata, query.shape[0], k_cache.shape[1])
+        batch = query.shape[0]
+        check_extend_metadata(
+            metadata, batch, batch, k_cache.shape[1], query.shape[1] // k_cache.shape[2]
+        )
     return paged_decode_attention_torch(
         query, k_cache, v_cache, block_tables, context_lens, scale, metadata
     )

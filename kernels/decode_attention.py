@@ -23,12 +23,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from kernels.backend import dot_dtype, runnable
 from kernels.decode_split import choose_partition, merge_partitions
-from kernels.paged_gather import gather_tokens
-from kernels.step_metadata import DecodeMetadata, decode_metadata
+from kernels.extend_attention import paged_extend_attention_torch
+from kernels.extend_metadata import ExtendMetadata
 from kernels.triton_compat import tl, triton
 from kernels.validate import (
     check_block_tables,
@@ -162,10 +161,6 @@ def check_decode(
         check_block_tables(block_tables, context_lens, num_blocks, block_size)
 
 
-# Decode reference works on groups of sequences whose gathered K (and V) stay
-# under this many bytes: small buffers are reused by the allocator and still in
-# cache when SDPA reads them, where one gather of the whole batch costs fresh
-# pages (page faults) and a second pass over memory.
 def paged_decode_attention_torch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -173,32 +168,20 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    metadata: DecodeMetadata | None = None,
+    metadata: ExtendMetadata | None = None,
 ) -> torch.Tensor:
-    """Reference: per group of sequences, gather whole blocks, then one masked SDPA.
+    """Reference: the extend reference with one new token per sequence.
 
-    GQA without copying K/V per query head: the GROUP query heads of a KV head
-    become SDPA's query-length axis, ``q [b, H_kv, GROUP, D]`` against
-    ``k [b, H_kv, T, D]``, so every query row sees the same key mask.
-    ``metadata`` (from ``decode_metadata``; built here when None) holds the groups,
-    gather ids and masks, so a step's layers share one build.
+    Its groups (``kernels.extend_metadata``) then hold sequences of one decode batch
+    under a gather budget, and GQA needs no K/V copy per query head: the GROUP query
+    heads of a KV head become SDPA's query-length axis, ``q [b, H_kv, GROUP, D]``
+    against ``k [b, H_kv, T, D]``, so every query row sees the same key mask.
+    ``metadata`` (built here when None) lets a step's layers share one build.
     """
-    batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    if metadata is None:
-        row_bytes = num_kv_heads * head_dim * k_cache.element_size()
-        metadata = decode_metadata(
-            block_tables, context_lens, k_cache.shape[1], row_bytes, query.dtype
-        )
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    grouped = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    for group in metadata.groups:
-        k = gather_tokens(k_cache, group.ids).transpose(1, 2)  # [b, H_kv, T, D]
-        v = gather_tokens(v_cache, group.ids).transpose(1, 2)
-        q = grouped[group.start : group.end]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.bias, scale=scale)
-        out[group.start : group.end] = o.view(-1, num_q_heads, head_dim)
-    return out
+    starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_extend_attention_torch(
+        query, k_cache, v_cache, block_tables, starts, context_lens, scale, metadata
+    )
 
 
 def paged_decode_attention_triton(

@@ -1,9 +1,10 @@
-"""How the torch extend path batches a step's sequences into padded attention groups.
+"""How the torch attention path batches a step's sequences into padded SDPA groups.
 
-A step that is not pure decode mixes sequences with one new token (decodes) and
-sequences with many (new turns, prefill chunks). Attending one sequence at a
-time costs one SDPA call per sequence per layer, so the torch path packs
-neighbouring sequences of the same kind into groups, built once per step:
+A step mixes sequences with one new token (decodes) and sequences with many (new
+turns, prefill chunks); a decode step is the case where all have one. Attending
+one sequence at a time costs one SDPA call per sequence per layer, so the torch
+path (decode and extend alike) packs neighbouring sequences of the same kind
+into groups, built once per step:
 
     rows      | d d d d | e e e e e e e . | e e e e e e . . | E E E E E E E E E E E E |
     groups    | decodes | extends, padded to the longest run  | one long prefill       |
@@ -20,8 +21,8 @@ KV head are folded into SDPA's query axis, so one call covers the group:
 
 A pad row repeats its sequence's last token, so it sees a non-empty key range
 (no NaN) and is dropped afterwards. Groups stay under a padding ratio, so a
-decode row is never padded to a prefill's length, and under the decode path's
-gather byte budget.
+decode row is never padded to a prefill's length, and under a gather byte
+budget (``GATHER_CHUNK_BYTES``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import step_metadata
 from kernels.paged_gather import batch_block_ids, masked_scores_bias
+
+# Gathered K of one attention group stays under this. Larger groups mean fewer, wider SDPA
+# calls (16 MiB vs 4 MiB: batch 16 x 1k-token decode 99 -> 88 ms, 32 x 500 110 -> 99 ms,
+# 2 threads, bf16); the cap keeps one group's K and V buffers to a few tens of MB.
+GATHER_CHUNK_BYTES = 16 << 20
+
 
 # Padded attention work (b * Q * K) may exceed the real work (sum of q_len * context)
 # by this factor plus PADDING_SLACK query-key pairs: eight new turns of 20-40 tokens
@@ -65,9 +71,41 @@ class ExtendMetadata(NamedTuple):
 
 
 class _Seq(NamedTuple):
+    index: int  # in the batch
     start: int  # first query row
     q_len: int
     context_len: int
+
+
+class _Filling:
+    """The group being filled: its members and the sizes the padding rule needs."""
+
+    def __init__(self, seq: _Seq) -> None:
+        self.members = [seq]
+        self.decode = seq.q_len == 1
+        self.longest = seq.context_len
+        self.widest = seq.q_len
+        self.real = seq.q_len * seq.context_len
+
+    def admits(self, seq: _Seq, block_size: int, kv_row_bytes: int) -> bool:
+        """Whether ``seq`` may join: same kind, gather under budget, padding bounded."""
+        if (seq.q_len == 1) != self.decode:
+            return False
+        count = len(self.members) + 1
+        num_keys = _padded_keys(max(self.longest, seq.context_len), block_size)
+        if count * num_keys * kv_row_bytes > GATHER_CHUNK_BYTES:
+            return False
+        if self.decode:
+            return True
+        padded = count * max(self.widest, seq.q_len) * num_keys
+        real = self.real + seq.q_len * seq.context_len
+        return padded <= MAX_PADDING_RATIO * real + PADDING_SLACK
+
+    def add(self, seq: _Seq) -> None:
+        self.members.append(seq)
+        self.longest = max(self.longest, seq.context_len)
+        self.widest = max(self.widest, seq.q_len)
+        self.real += seq.q_len * seq.context_len
 
 
 def extend_metadata(
@@ -79,52 +117,27 @@ def extend_metadata(
     kv_row_bytes: int,
     dtype: torch.dtype,
 ) -> ExtendMetadata:
-    """Groups, gather ids, masks and row maps of one extend step.
+    """Groups, gather ids, masks and row maps of one step (a decode step is the case
+    where every ``q_len`` is 1: one group per gather budget, no padding).
 
     group_size: query heads per KV head; kv_row_bytes: bytes of one token's K in one
     layer (sizes the groups); dtype: the attention's dtype (the masks').
     """
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
-    seqs = [
-        (b, _Seq(starts[b], starts[b + 1] - starts[b], lens[b]))
-        for b in range(len(lens))
-        if starts[b + 1] > starts[b]
-    ]
-    groups = []
-    i = 0
-    while i < len(seqs):
-        j = i + 1
-        while j < len(seqs) and _fits([s for _, s in seqs[i : j + 1]], block_size, kv_row_bytes):
-            j += 1
-        members = seqs[i:j]
-        index = torch.tensor([b for b, _ in members], device=block_tables.device)
-        groups.append(
-            _build_group(
-                [s for _, s in members],
-                block_tables.index_select(0, index),
-                block_size,
-                group_size,
-                dtype,
-            )
-        )
-        i = j
-    return ExtendMetadata(block_size, group_size, starts[-1], len(lens), tuple(groups))
-
-
-def _fits(members: list[_Seq], block_size: int, kv_row_bytes: int) -> bool:
-    """Whether ``members`` may share one padded call."""
-    decode = members[0].q_len == 1
-    if any((m.q_len == 1) != decode for m in members):
-        return False
-    num_keys = _padded_keys(max(m.context_len for m in members), block_size)
-    if len(members) * num_keys * kv_row_bytes > step_metadata.GATHER_CHUNK_BYTES:
-        return False
-    if decode:
-        return True
-    padded = len(members) * max(m.q_len for m in members) * num_keys
-    real = sum(m.q_len * m.context_len for m in members)
-    return padded <= MAX_PADDING_RATIO * real + PADDING_SLACK
+    filled: list[_Filling] = []
+    for b, context_len in enumerate(lens):
+        seq = _Seq(b, starts[b], starts[b + 1] - starts[b], context_len)
+        if seq.q_len == 0:
+            continue
+        if filled and filled[-1].admits(seq, block_size, kv_row_bytes):
+            filled[-1].add(seq)
+        else:
+            filled.append(_Filling(seq))
+    groups = tuple(
+        _build_group(f.members, block_tables, block_size, group_size, dtype) for f in filled
+    )
+    return ExtendMetadata(block_size, group_size, starts[-1], len(lens), groups)
 
 
 def _padded_keys(context_len: int, block_size: int) -> int:
@@ -133,12 +146,14 @@ def _padded_keys(context_len: int, block_size: int) -> int:
 
 def _build_group(
     members: list[_Seq],
-    tables: torch.Tensor,
+    block_tables: torch.Tensor,
     block_size: int,
     group_size: int,
     dtype: torch.dtype,
 ) -> ExtendGroup:
-    device = tables.device
+    device = block_tables.device
+    batch_rows = torch.tensor([m.index for m in members], device=device)
+    tables = block_tables.index_select(0, batch_rows)
     row_start = members[0].start
     row_end = members[-1].start + members[-1].q_len
     b = len(members)
@@ -152,14 +167,14 @@ def _build_group(
         return ExtendGroup(row_start, row_end, 1, q_pad, only.context_len, ids, None, None, None)
     # Position of every padded query row; a pad row repeats its sequence's last token.
     positions, gather_rows, valid_rows = [], [], []
-    for index, m in enumerate(members):
+    for k, m in enumerate(members):
         first = m.context_len - m.q_len
         for i in range(q_pad):
             real = min(i, m.q_len - 1)
             positions.append(first + real)
             gather_rows.append(m.start - row_start + real)
             if i < m.q_len:
-                valid_rows.append(index * q_pad + i)
+                valid_rows.append(k * q_pad + i)
     query_pos = torch.tensor(positions, device=device).view(b, q_pad)
     key_pos = torch.arange(num_keys, device=device)
     allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # [b, Q, K]

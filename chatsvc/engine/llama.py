@@ -141,21 +141,15 @@ class LlamaModel:
             return None, None
         index = step_metadata.write_index(batch.slot_mapping, block_size)
         c = self.config
-        row_bytes = c.num_kv_heads * c.head_dim * self.weights.embed.element_size()
-        if batch.is_decode:
-            metadata = step_metadata.decode_metadata(
-                batch.block_tables, batch.context_lens, block_size, row_bytes, self.dtype
-            )
-        else:
-            metadata = extend_metadata(
-                batch.block_tables,
-                batch.query_start_loc,
-                batch.context_lens,
-                block_size,
-                c.num_heads // c.num_kv_heads,
-                row_bytes,
-                self.dtype,
-            )
+        metadata = extend_metadata(
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.context_lens,
+            block_size,
+            c.num_heads // c.num_kv_heads,
+            c.num_kv_heads * c.head_dim * self.weights.embed.element_size(),
+            self.dtype,
+        )
         return index, metadata
 
     @torch.inference_mode()

@@ -8,7 +8,6 @@ from kernel_cases import assert_close, extend_inputs, extend_oracle, make_paged_
 
 import kernels
 from kernels import extend_metadata as em
-from kernels import step_metadata
 
 # A mixed step: three decodes, three new turns over a cached prefix, one prompt with
 # no prefix (q_len == context), one more decode, and a sequence with no new tokens.
@@ -74,7 +73,7 @@ def test_prebuilt_groups_match_the_oracle_and_the_unbatched_path(monkeypatch):
     # One sequence per call (every group refused) gives the same answer.
     monkeypatch.setattr(em, "MAX_PADDING_RATIO", 0.0)
     monkeypatch.setattr(em, "PADDING_SLACK", 0)
-    monkeypatch.setattr(step_metadata, "GATHER_CHUNK_BYTES", 1)
+    monkeypatch.setattr(em, "GATHER_CHUNK_BYTES", 1)
     case, query, starts, metadata = _case_and_metadata()
     assert len(metadata.groups) == sum(1 for q in Q_LENS if q)
     out = _extend(case, query, starts, metadata=metadata)

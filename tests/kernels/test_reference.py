@@ -155,9 +155,9 @@ def test_empty_inputs_are_no_ops():
 @pytest.mark.parametrize("chunk_bytes", [1, 2 * 40 * 2 * 64 * 4])
 def test_decode_reference_in_groups_of_sequences(monkeypatch, chunk_bytes):
     """Small gather budgets split the batch (1 = one sequence per group)."""
-    from kernels import step_metadata
+    from kernels import extend_metadata
 
-    monkeypatch.setattr(step_metadata, "GATHER_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(extend_metadata, "GATHER_CHUNK_BYTES", chunk_bytes)
     lens = [40, 3, 17, 33, 1]
     case = make_paged_case(lens, 8, 2, 64)
     query = torch.randn(len(lens), 6, 64)

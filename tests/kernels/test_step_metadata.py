@@ -5,24 +5,26 @@ import torch
 from kernel_cases import assert_close, decode_oracle, make_paged_case
 
 import kernels
-from kernels import step_metadata
-from kernels.step_metadata import decode_metadata, write_index
+from kernels import extend_metadata as em
+from kernels.step_metadata import write_index
 
 LENS = [40, 3, 17, 33, 1]
 
 
 def _metadata(case, dtype=torch.float32):
+    """A decode step's groups: one new token per sequence, 6 query heads over 2 KV heads."""
     row_bytes = case.k_cache.shape[2] * case.k_cache.shape[3] * case.k_cache.element_size()
-    return decode_metadata(case.block_tables, case.context_lens, 8, row_bytes, dtype)
+    starts = torch.arange(len(LENS) + 1, dtype=torch.int32)
+    return em.extend_metadata(case.block_tables, starts, case.context_lens, 8, 3, row_bytes, dtype)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 2 * 40 * 2 * 64 * 4, 4 << 20])
 def test_decode_with_prebuilt_metadata_matches_the_oracle(monkeypatch, chunk_bytes):
-    monkeypatch.setattr(step_metadata, "GATHER_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(em, "GATHER_CHUNK_BYTES", chunk_bytes)
     case = make_paged_case(LENS, 8, 2, 64)
     query = torch.randn(len(LENS), 6, 64)
     metadata = _metadata(case)
-    assert sum(g.end - g.start for g in metadata.groups) == len(LENS)
+    assert sum(g.row_end - g.row_start for g in metadata.groups) == len(LENS)
     if chunk_bytes == 1:
         assert len(metadata.groups) == len(LENS)
     args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
@@ -45,7 +47,7 @@ def test_decode_rejects_metadata_of_another_batch():
     case = make_paged_case(LENS, 8, 2, 64)
     query = torch.randn(len(LENS) - 1, 6, 64)
     metadata = _metadata(case)
-    with pytest.raises(ValueError, match="metadata built for batch"):
+    with pytest.raises(ValueError, match="metadata built for"):
         kernels.paged_decode_attention(
             query,
             case.k_cache,
@@ -55,7 +57,7 @@ def test_decode_rejects_metadata_of_another_batch():
             0.125,
             metadata=metadata,
         )
-    with pytest.raises(ValueError, match="DecodeMetadata"):
+    with pytest.raises(ValueError, match="ExtendMetadata"):
         kernels.paged_decode_attention(
             query,
             case.k_cache,
