@@ -32,20 +32,38 @@ def _raise_for_error(response: httpx.Response) -> None:
     raise ChatClientError(f"HTTP {response.status_code}: {message}")
 
 
+class SseDecoder:
+    """Incremental text/event-stream decoding: feed lines, get each event as it completes."""
+
+    def __init__(self) -> None:
+        self.event, self.data = "message", []
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        """The (event, data) pair this line completes, if any."""
+        line = line.rstrip("\r")
+        if not line:
+            done = (self.event, "\n".join(self.data)) if self.data else None
+            self.event, self.data = "message", []
+            return done
+        if line.startswith("event:"):
+            self.event = line[6:].strip()
+        elif line.startswith("data:"):
+            self.data.append(line[5:].removeprefix(" "))
+        return None
+
+    def end(self) -> tuple[str, str] | None:
+        """The last event, when the stream ended without a blank line after it."""
+        return self.feed("")
+
+
 def iter_sse(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
     """(event, data) pairs from the lines of a text/event-stream body."""
-    event, data = "message", []
+    decoder = SseDecoder()
     for line in lines:
-        if not line:
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data:
-        yield event, "\n".join(data)
+        if (event := decoder.feed(line)) is not None:
+            yield event
+    if (event := decoder.end()) is not None:
+        yield event
 
 
 class ChatClient:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from chatsvc.chat_client import SseDecoder
+
 
 @dataclass
 class StreamOutcome:
@@ -36,24 +38,14 @@ class StreamOutcome:
         return "".join(self.deltas)
 
 
-async def _lines(response: httpx.Response):
+async def _aparse(response: httpx.Response):
+    """(event, data) pairs of an SSE response body, as they arrive."""
+    decoder = SseDecoder()
     async for line in response.aiter_lines():
-        yield line.rstrip("\r")
-
-
-async def _aparse(lines):
-    event, data = "message", []
-    async for line in lines:
-        if line == "":
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-    if data:
-        yield event, "\n".join(data)
+        if (event := decoder.feed(line)) is not None:
+            yield event
+    if (event := decoder.end()) is not None:
+        yield event
 
 
 async def stream_turn(
@@ -75,7 +67,7 @@ async def stream_turn(
                 await response.aread()
                 outcome.error = _json_or_text(response.text)
                 return outcome
-            async for event, data in _aparse(_lines(response)):
+            async for event, data in _aparse(response):
                 if event == "delta":
                     if outcome.ttft_s is None:
                         outcome.ttft_s = time.perf_counter() - start

@@ -8,16 +8,7 @@ import transformers
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.loader import load_model
-
-SHAPE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=512,
-    max_position_embeddings=256,
-)
+from tests.engine.test_loader_local_dirs import SHAPE
 
 
 def test_generation_config_eos_ids_are_chat_format_stop_ids(tmp_path, smollm2_fp32):

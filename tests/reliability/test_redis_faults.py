@@ -26,6 +26,7 @@ import time
 import httpx
 import pytest
 
+from chatsvc.chat_client import iter_sse
 from chatsvc.config import Settings
 from chatsvc.store.embedded import EmbeddedRedis
 from tests.api.live_server import ThreadServer
@@ -169,14 +170,10 @@ def read_stream_with_outage(http, sid, redis_faulty, kind) -> list[tuple[str, di
     with contextlib.ExitStack() as stack:
         with http.stream("POST", f"/sessions/{sid}/messages", json=body) as response:
             assert response.status_code == 200
-            event = None
-            for line in response.iter_lines():
-                if line.startswith("event:"):
-                    event = line.split(":", 1)[1].strip()
-                elif line.startswith("data:"):
-                    events.append((event, json.loads(line.split(":", 1)[1]), time.monotonic()))
-                    if len(events) == 1 and event == "delta":
-                        stack.enter_context(outage(redis_faulty, kind))
+            for event, data in iter_sse(response.iter_lines()):
+                events.append((event, json.loads(data), time.monotonic()))
+                if len(events) == 1 and event == "delta":
+                    stack.enter_context(outage(redis_faulty, kind))
     return events
 
 
