@@ -10,9 +10,11 @@ Public API (signatures fixed in docs/contracts.md)::
 
 Every function also takes, by keyword:
 
-- ``backend``: ``"auto"`` (Triton when the tensors are on CUDA, the torch
-  reference otherwise), ``"torch"`` or ``"triton"`` (on CPU tensors: Triton's
-  interpreter, for tests). ``CHATSVC_KERNEL_BACKEND`` sets the default.
+- ``backend``: ``"auto"`` (Triton when the tensors are on CUDA; on the CPU the
+  native C attention where it builds, else the torch reference), ``"torch"``,
+  ``"native"`` (``kernels.cpu_attention``: C for short query runs, torch for the
+  rest) or ``"triton"`` (on CPU tensors: Triton's interpreter, for tests).
+  ``CHATSVC_KERNEL_BACKEND`` sets the default (see ``kernels.backend``).
 - ``check_bounds``: value-range checks of the index tensors (block ids, slots,
   context lengths); on by default. They read the index tensors, which is a
   host sync on CUDA, so a hot path fed by the trusted cache manager may turn
@@ -27,6 +29,7 @@ import torch
 
 from kernels.backend import resolve_backend
 from kernels.copy_blocks import check_copy_blocks, copy_blocks_torch, copy_blocks_triton
+from kernels.cpu_attention import native_supports, paged_extend_attention_native
 from kernels.decode_attention import (
     check_decode,
     paged_decode_attention_torch,
@@ -95,14 +98,21 @@ def paged_decode_attention(
     masks per layer; Triton ignores it.
     """
     check_decode(query, k_cache, v_cache, block_tables, context_lens, scale, check_bounds)
-    if resolve_backend(backend, query.device) == "triton":
+    chosen = resolve_backend(backend, query.device)
+    if chosen == "triton":
         return paged_decode_attention_triton(
             query, k_cache, v_cache, block_tables, context_lens, scale, partition_size
         )
+    native = _runs_native(chosen, query)
     if metadata is not None:
         batch = query.shape[0]
         check_extend_metadata(
-            metadata, batch, batch, k_cache.shape[1], query.shape[1] // k_cache.shape[2]
+            metadata, batch, batch, k_cache.shape[1], query.shape[1] // k_cache.shape[2], native
+        )
+    if native:
+        starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+        return paged_extend_attention_native(
+            query, k_cache, v_cache, block_tables, starts, context_lens, scale, metadata
         )
     return paged_decode_attention_torch(
         query, k_cache, v_cache, block_tables, context_lens, scale, metadata
@@ -136,7 +146,8 @@ def paged_extend_attention(
     check_extend(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, check_bounds
     )
-    if resolve_backend(backend, query.device) == "triton":
+    chosen = resolve_backend(backend, query.device)
+    if chosen == "triton":
         return paged_extend_attention_triton(
             query,
             k_cache,
@@ -147,6 +158,7 @@ def paged_extend_attention(
             scale,
             max_query_len,
         )
+    native = _runs_native(chosen, query)
     if metadata is not None:
         check_extend_metadata(
             metadata,
@@ -154,10 +166,20 @@ def paged_extend_attention(
             context_lens.shape[0],
             k_cache.shape[1],
             query.shape[1] // k_cache.shape[2],
+            native,
+        )
+    if native:
+        return paged_extend_attention_native(
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, metadata
         )
     return paged_extend_attention_torch(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, metadata
     )
+
+
+def _runs_native(backend: str, query: torch.Tensor) -> bool:
+    """The native backend with tensors its C kernel takes (fp16, say, stays on torch)."""
+    return backend == "native" and native_supports(query.device, query.dtype, query.shape[-1])
 
 
 def copy_blocks(

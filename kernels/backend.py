@@ -1,6 +1,10 @@
-"""Backend selection: Triton on CUDA, the torch reference on CPU.
+"""Backend selection: Triton on CUDA, the native C kernels (else the torch reference) on CPU.
 
-``backend`` is one of ``"auto"`` (default), ``"torch"`` or ``"triton"``. The
+``backend`` is one of ``"auto"`` (default), ``"torch"``, ``"native"`` or
+``"triton"``. ``"auto"`` means Triton on CUDA, and on the CPU ``"native"``
+where ``kernels.native`` could build its library (``"torch"`` where it could
+not). ``"native"`` runs paged attention of short query runs in C
+(``kernels.cpu_attention``) and everything else as ``"torch"`` does. The
 environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default of
 ``"auto"`` for callers that pass nothing (an explicit argument wins).
 
@@ -18,9 +22,10 @@ from typing import Any
 
 import torch
 
+from kernels import native
 from kernels.triton_compat import HAS_TRITON, tl
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "native", "triton")
 ENV_VAR = "CHATSVC_KERNEL_BACKEND"
 
 
@@ -30,9 +35,17 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "native" if device.type == "cpu" and native.library() is not None else "torch"
     if choice == "triton" and device.type not in ("cuda", "cpu"):
         raise ValueError(f"the triton backend runs on CUDA (or CPU, interpreted), not {device}")
+    if choice == "native":
+        if device.type != "cpu":
+            raise ValueError(f"the native backend runs on the CPU, not {device}")
+        if native.library() is None:
+            reason = native.unavailable_reason()
+            raise ValueError(f"the native CPU kernels are unavailable: {reason}")
     return choice
 
 

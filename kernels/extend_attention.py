@@ -175,7 +175,7 @@ def paged_extend_attention_torch(
     ``metadata`` (built here when None) holds the groups, gather ids and masks, so a
     step's layers share one build.
     """
-    num_tokens, num_q_heads, head_dim = query.shape
+    _, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group_size = num_q_heads // num_kv_heads
     if metadata is None:
@@ -190,11 +190,24 @@ def paged_extend_attention_torch(
             query.dtype,
         )
     out = torch.empty_like(query)
+    attend_groups(query, k_cache, v_cache, metadata, scale, out)
+    return out
+
+
+def attend_groups(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: ExtendMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Write the attention of every group's rows into ``out`` (other rows untouched)."""
+    group_size = query.shape[1] // k_cache.shape[2]
     for group in metadata.groups:
         out[group.row_start : group.row_end] = _attend_group(
             query[group.row_start : group.row_end], k_cache, v_cache, group, group_size, scale
         )
-    return out
 
 
 def _attend_group(

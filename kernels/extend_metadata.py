@@ -23,6 +23,11 @@ A pad row repeats its sequence's last token, so it sees a non-empty key range
 (no NaN) and is dropped afterwards. Groups stay under a padding ratio, so a
 decode row is never padded to a prefill's length, and under a gather byte
 budget (``GATHER_CHUNK_BYTES``).
+
+With the native CPU kernel (``kernels.cpu_attention``), sequences with at most
+``native_max_query`` new tokens are left out of the groups and listed in
+``native_seqs``: the kernel reads their blocks in place, and only longer runs
+(prefill chunks, where SDPA's matrix products win) are grouped.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class ExtendMetadata(NamedTuple):
     num_tokens: int
     batch: int
     groups: tuple[ExtendGroup, ...]
+    native_max_query: int  # new tokens up to which a sequence is left to the native kernel
+    native_seqs: torch.Tensor  # [n] int32 batch indices of those sequences
 
 
 class _Seq(NamedTuple):
@@ -116,28 +123,39 @@ def extend_metadata(
     group_size: int,
     kv_row_bytes: int,
     dtype: torch.dtype,
+    native_max_query: int = 0,
 ) -> ExtendMetadata:
     """Groups, gather ids, masks and row maps of one step (a decode step is the case
     where every ``q_len`` is 1: one group per gather budget, no padding).
 
     group_size: query heads per KV head; kv_row_bytes: bytes of one token's K in one
-    layer (sizes the groups); dtype: the attention's dtype (the masks').
+    layer (sizes the groups); dtype: the attention's dtype (the masks');
+    native_max_query: see the module docstring (0: every sequence is grouped).
     """
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     filled: list[_Filling] = []
+    native: list[int] = []
+    open_group = False  # a group's rows are contiguous: a native sequence closes it
     for b, context_len in enumerate(lens):
         seq = _Seq(b, starts[b], starts[b + 1] - starts[b], context_len)
         if seq.q_len == 0:
             continue
-        if filled and filled[-1].admits(seq, block_size, kv_row_bytes):
+        if seq.q_len <= native_max_query:
+            native.append(b)
+            open_group = False
+        elif open_group and filled[-1].admits(seq, block_size, kv_row_bytes):
             filled[-1].add(seq)
         else:
             filled.append(_Filling(seq))
+            open_group = True
     groups = tuple(
         _build_group(f.members, block_tables, block_size, group_size, dtype) for f in filled
     )
-    return ExtendMetadata(block_size, group_size, starts[-1], len(lens), groups)
+    native_seqs = torch.tensor(native, dtype=torch.int32, device=block_tables.device)
+    return ExtendMetadata(
+        block_size, group_size, starts[-1], len(lens), groups, native_max_query, native_seqs
+    )
 
 
 def _padded_keys(context_len: int, block_size: int) -> int:
@@ -199,9 +217,15 @@ def _build_group(
 
 
 def check_extend_metadata(
-    metadata: ExtendMetadata, num_tokens: int, batch: int, block_size: int, group_size: int
+    metadata: ExtendMetadata,
+    num_tokens: int,
+    batch: int,
+    block_size: int,
+    group_size: int,
+    native: bool = False,
 ) -> None:
-    """Raise ``ValueError`` unless ``metadata`` was built for this step's shapes."""
+    """Raise ``ValueError`` unless ``metadata`` was built for this step's shapes, and
+    (unless ``native``: the caller runs the native kernel) groups every sequence."""
     if not isinstance(metadata, ExtendMetadata):
         raise ValueError(f"metadata must be an ExtendMetadata, got {type(metadata).__name__}")
     built = (metadata.num_tokens, metadata.batch, metadata.block_size, metadata.group_size)
@@ -209,4 +233,9 @@ def check_extend_metadata(
         raise ValueError(
             "metadata built for tokens / batch / block_size / group "
             f"{built}, got {(num_tokens, batch, block_size, group_size)}"
+        )
+    if metadata.native_max_query and not native:
+        raise ValueError(
+            "metadata leaves sequences to the native kernel (native_max_query "
+            f"{metadata.native_max_query}): build it with native_max_query=0 for this backend"
         )

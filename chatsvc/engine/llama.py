@@ -36,6 +36,7 @@ from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
 from kernels import step_metadata
 from kernels.backend import resolve_backend
+from kernels.cpu_attention import NATIVE_MAX_QUERY, native_supports
 from kernels.extend_metadata import extend_metadata
 from kernels.kv_layout import KVShape, layer_views
 
@@ -133,14 +134,16 @@ class LlamaModel:
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
     def _step_metadata(self, batch: ForwardBatch, block_size: int):
-        """The torch kernels' slot split and attention groups, once for all layers.
+        """The CPU kernels' slot split and attention groups, once for all layers.
 
         (None, None) where the kernels run Triton, which reads the raw tensors itself.
         """
-        if resolve_backend(None, self.device) != "torch":
+        backend = resolve_backend(None, self.device)
+        if backend == "triton":
             return None, None
         index = step_metadata.write_index(batch.slot_mapping, block_size)
         c = self.config
+        native = backend == "native" and native_supports(self.device, self.dtype, c.head_dim)
         metadata = extend_metadata(
             batch.block_tables,
             batch.query_start_loc,
@@ -149,6 +152,7 @@ class LlamaModel:
             c.num_heads // c.num_kv_heads,
             c.num_kv_heads * c.head_dim * self.weights.embed.element_size(),
             self.dtype,
+            native_max_query=NATIVE_MAX_QUERY if native else 0,
         )
         return index, metadata
 

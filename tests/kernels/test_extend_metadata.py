@@ -26,7 +26,7 @@ def _case_and_metadata(dtype=torch.float32):
     return case, query, starts, metadata
 
 
-def _extend(case, query, starts, **kwargs):
+def _extend(case, query, starts, backend="torch", **kwargs):
     return kernels.paged_extend_attention(
         query,
         case.k_cache,
@@ -35,6 +35,7 @@ def _extend(case, query, starts, **kwargs):
         starts,
         case.context_lens,
         1 / math.sqrt(32),
+        backend=backend,
         **kwargs,
     )
 
@@ -86,3 +87,23 @@ def test_extend_rejects_metadata_of_another_step():
         _extend(case, query[:-1], starts.clone().clamp_(max=query.shape[0] - 1), metadata=metadata)
     with pytest.raises(ValueError, match="ExtendMetadata"):
         _extend(case, query, starts, metadata=("not", "metadata"))
+
+
+def test_native_metadata_leaves_short_runs_out_of_the_groups():
+    case = make_paged_case(LENS, 8, 2, 32)
+    query, starts = extend_inputs(case, Q_LENS, 2 * GROUP)
+    metadata = em.extend_metadata(
+        case.block_tables, starts, case.context_lens, 8, GROUP, 2 * 32 * 4, torch.float32, 6
+    )
+    # Runs of up to 6 new tokens go native; a group never spans a native sequence.
+    assert metadata.native_seqs.tolist() == [0, 1, 2, 4, 5, 7]
+    assert [(g.row_start, g.row_end) for g in metadata.groups] == [(3, 10), (21, 33)]
+    out = _extend(case, query, starts, backend="native", metadata=metadata)
+    assert_close(out, extend_oracle(case, query, Q_LENS), torch.float32)
+    # The torch path would skip the native sequences: it refuses such metadata.
+    with pytest.raises(ValueError, match="native_max_query"):
+        _extend(case, query, starts, metadata=metadata)
+    # The native path takes torch metadata (every sequence grouped) and gives the same.
+    _, _, _, torch_metadata = _case_and_metadata()
+    again = _extend(case, query, starts, backend="native", metadata=torch_metadata)
+    assert_close(again, out, torch.float32)

@@ -1,4 +1,5 @@
-"""The torch references (the CPU path and the oracle for Triton) against a dense oracle."""
+"""The CPU paths against a dense oracle: the torch reference (the oracle for Triton) and
+the native backend (C for short query runs, the reference for the rest)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,24 @@ SHAPES = [
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def test_cpu_tensors_take_the_torch_path_by_default():
-    assert resolve_backend(None, torch.device("cpu")) == "torch"
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+BACKENDS = ["torch", "native"]
+
+
+def test_cpu_tensors_take_the_native_path_by_default(monkeypatch):
+    # This machine has a C compiler, as every machine CI runs on does: the library builds.
+    assert resolve_backend(None, torch.device("cpu")) == "native"
+    assert resolve_backend("auto", torch.device("cpu")) == "native"
     assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setenv("CHATSVC_KERNEL_BACKEND", "torch")
+    assert resolve_backend(None, torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        resolve_backend("native", torch.device("cuda"))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size", "lens"), SHAPES)
-def test_decode_reference_matches_dense(group, head_dim, block_size, lens, dtype):
+def test_decode_matches_dense(group, head_dim, block_size, lens, dtype, backend):
     case = make_paged_case(lens, block_size, 2, head_dim, dtype)
     query = torch.randn(len(lens), 2 * group, head_dim).to(dtype)
     out = kernels.paged_decode_attention(
@@ -46,15 +56,17 @@ def test_decode_reference_matches_dense(group, head_dim, block_size, lens, dtype
         case.block_tables,
         case.context_lens,
         1 / math.sqrt(head_dim),
+        backend=backend,
     )
     assert out.dtype == dtype and out.shape == query.shape
     assert_close(out, decode_oracle(case, query), dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size", "lens"), SHAPES)
 @pytest.mark.parametrize("with_prefix", [False, True])
-def test_extend_reference_matches_dense(group, head_dim, block_size, lens, dtype, with_prefix):
+def test_extend_matches_dense(group, head_dim, block_size, lens, dtype, with_prefix, backend):
     case = make_paged_case(lens, block_size, 2, head_dim, dtype)
     # With a prefix: the last third of each sequence is new (at least one token).
     q_lens = [max(1, n // 3) for n in lens] if with_prefix else list(lens)
@@ -67,32 +79,46 @@ def test_extend_reference_matches_dense(group, head_dim, block_size, lens, dtype
         starts,
         case.context_lens,
         1 / math.sqrt(head_dim),
+        backend=backend,
     )
     assert out.dtype == dtype and out.shape == query.shape
     assert_close(out, extend_oracle(case, query, q_lens), dtype)
 
 
-def test_extend_reference_skips_a_sequence_without_new_tokens():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extend_skips_a_sequence_without_new_tokens(backend):
     case = make_paged_case([9, 20], 8, 1, 64)
     q_lens = [0, 4]
     query, starts = extend_inputs(case, q_lens, 2)
     out = kernels.paged_extend_attention(
-        query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.125
+        query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        starts,
+        case.context_lens,
+        0.125,
+        backend=backend,
     )
     expected = extend_oracle(case, query, q_lens)
     assert_close(out, expected, torch.float32)
 
 
-def test_decode_ignores_data_past_the_context():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_ignores_data_past_the_context(backend):
     """Garbage in the unused tail of the last block must not leak into the output."""
     case = make_paged_case([11], 8, 1, 64)
     query = torch.randn(1, 1, 64)
     args = (case.block_tables, case.context_lens, 0.125)
-    before = kernels.paged_decode_attention(query, case.k_cache, case.v_cache, *args)
+    before = kernels.paged_decode_attention(
+        query, case.k_cache, case.v_cache, *args, backend=backend
+    )
     last_block = int(case.block_tables[0, 1])
     case.k_cache[last_block, 3:] = 1e4
     case.v_cache[last_block, 3:] = -1e4
-    after = kernels.paged_decode_attention(query, case.k_cache, case.v_cache, *args)
+    after = kernels.paged_decode_attention(
+        query, case.k_cache, case.v_cache, *args, backend=backend
+    )
     assert torch.equal(before, after)
 
 
@@ -162,6 +188,12 @@ def test_decode_reference_in_groups_of_sequences(monkeypatch, chunk_bytes):
     case = make_paged_case(lens, 8, 2, 64)
     query = torch.randn(len(lens), 6, 64)
     out = kernels.paged_decode_attention(
-        query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
+        query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.context_lens,
+        0.125,
+        backend="torch",
     )
     assert_close(out, decode_oracle(case, query), torch.float32)

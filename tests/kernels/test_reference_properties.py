@@ -1,9 +1,10 @@
-"""Property tests: the torch references agree with the dense oracle on random batches."""
+"""Property tests: the CPU paths (torch reference, native) agree with the dense oracle."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,9 +29,10 @@ batches = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
 @settings(max_examples=30, deadline=None)
 @given(batch=batches)
-def test_decode_reference_on_random_batches(batch):
+def test_decode_on_random_batches(batch, backend):
     case = make_paged_case(
         batch["lens"], batch["block_size"], batch["num_kv_heads"], 32, seed=batch["seed"]
     )
@@ -42,13 +44,15 @@ def test_decode_reference_on_random_batches(batch):
         case.block_tables,
         case.context_lens,
         1 / math.sqrt(32),
+        backend=backend,
     )
     assert_close(out, decode_oracle(case, query), torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
 @settings(max_examples=30, deadline=None)
 @given(batch=batches, data=st.data())
-def test_extend_reference_on_random_batches(batch, data):
+def test_extend_on_random_batches(batch, data, backend):
     lens = batch["lens"]
     q_lens = [data.draw(st.integers(0, n)) for n in lens]
     case = make_paged_case(lens, batch["block_size"], batch["num_kv_heads"], 32, seed=batch["seed"])
@@ -61,5 +65,6 @@ def test_extend_reference_on_random_batches(batch, data):
         starts,
         case.context_lens,
         1 / math.sqrt(32),
+        backend=backend,
     )
     assert_close(out, extend_oracle(case, query, q_lens), torch.float32)

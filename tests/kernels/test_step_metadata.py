@@ -28,8 +28,10 @@ def test_decode_with_prebuilt_metadata_matches_the_oracle(monkeypatch, chunk_byt
     if chunk_bytes == 1:
         assert len(metadata.groups) == len(LENS)
     args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
-    with_meta = [kernels.paged_decode_attention(*args, metadata=metadata) for _ in range(2)]
-    without = kernels.paged_decode_attention(*args)
+    with_meta = [
+        kernels.paged_decode_attention(*args, metadata=metadata, backend="torch") for _ in range(2)
+    ]
+    without = kernels.paged_decode_attention(*args, backend="torch")
     assert torch.equal(with_meta[0], with_meta[1])
     assert torch.equal(with_meta[0], without)
     assert_close(with_meta[0], decode_oracle(case, query), torch.float32)

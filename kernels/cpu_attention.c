@@ -1,0 +1,524 @@
+/* Paged attention on the CPU, reading K/V blocks where they lie in the pool.
+ *
+ * The torch path gathers each sequence's blocks into a padded copy per layer
+ * and then runs SDPA over the copy; for decodes and short new turns the copy
+ * costs as much as the attention. This kernel walks the block table instead:
+ *
+ *   work item = (sequence, tile of up to q_tile new tokens, slice of its blocks)
+ *   rows      = the tile's tokens x all query heads
+ *   for each block of the slice, up to the tile's last position, and each KV head:
+ *       scores = rows of the head's GROUP . K[block, head]^T   (read in place, bf16 -> fp32)
+ *       online softmax per row (exp2, scale folded into Q), causal per row
+ *       acc    = acc * alpha + P . V[block, head]
+ *   out = acc / l   (or, for a sequence split into slices, partial (m, l, acc)
+ *                    merged afterwards: flash-decoding, so one long sequence
+ *                    still keeps every thread busy)
+ *
+ * An item takes all KV heads of a block because a block's K (and V) rows hold
+ * every head side by side: one item then reads each cache line once.
+ *
+ * Items run in parallel on the caller's OpenMP team (torch's own libgomp,
+ * already loaded in the process, so no second team competes for the cores).
+ * Sums are fp32; bf16 is widened by a shift and narrowed round-to-nearest-even,
+ * as torch does. Inputs are checked by the Python wrapper (kernels/cpu_attention.py):
+ * this file trusts its arguments.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+typedef struct {
+    const void *q;
+    int64_t q_stride_t, q_stride_h;
+    const void *k, *v;
+    int64_t kv_stride_block, kv_stride_slot, kv_stride_head;
+    void *out;
+    int64_t out_stride_t, out_stride_h;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int32_t *query_start, *context_lens;
+    int32_t num_q_heads, num_kv_heads, block_size, q_tile, dtype;
+    float scale_log2;
+} Args;
+
+typedef struct {
+    int32_t seq, q_begin, q_end;
+    int32_t key_begin, key_end; /* key positions [begin, end), whole blocks */
+    int64_t partial;            /* row offset into the partials, -1: write out directly */
+} Item;
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Coefficients of 2^f for |f| <= 1/2 (Taylor, degree 7), highest first. */
+static const float EXP2_TAYLOR[8] = {
+    1.5252733804059838e-05f, 1.5403530393381606e-04f, 1.3333558146428441e-03f,
+    9.6181291076284772e-03f, 5.5504108664821576e-02f, 2.4022650695910071e-01f,
+    6.9314718055994531e-01f, 1.0f,
+};
+
+/* 2^x for x <= 0, written so loops over it vectorise (libm's exp2f does not):
+ * x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series to
+ * degree 7 (relative error < 1e-8), 2^n from the exponent bits. */
+static inline float exp2_nonpositive(float x) {
+    x = x < -126.0f ? -126.0f : x;
+    const float n = __builtin_floorf(x + 0.5f);
+    const float f = x - n;
+    float p = EXP2_TAYLOR[0];
+    for (int c = 1; c < 8; c++) p = p * f + EXP2_TAYLOR[c];
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Key tiles are 16 tokens: one fp32 vector of scores per query row. */
+enum { TILE = 16 };
+
+/* Row `offset` (elements) of a cache or query tensor as fp32: in place for fp32,
+ * widened into `scratch` for bf16. */
+static inline const float *row_f32(const void *base, int64_t offset, int n, int dtype,
+                                   float *scratch) {
+    if (dtype == DTYPE_F32) return (const float *)base + offset;
+    const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+    for (int i = 0; i < n; i++) scratch[i] = bf16_to_f32(src[i]);
+    return scratch;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load16_f32(const void *base, int64_t offset, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* r[0..16) rows -> columns, in place (unpack 32-bit, unpack 64-bit, shuffle 128-bit lanes). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    /* u[4i + j], 128-bit lane L, holds column 4L + j of rows 4i .. 4i + 3. */
+    for (int j = 0; j < 4; j++) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+        r[0 + j] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+        r[8 + j] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+    }
+}
+#endif
+
+/* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n), so a query
+ * row's scores are D broadcast-multiply-adds of whole vectors, with no
+ * horizontal sums. */
+static inline void load_k_transposed(const Args *a, const int64_t *offsets, int n, int D,
+                                     float *restrict kt) {
+#if defined(__AVX512F__)
+    if (D % TILE == 0) {
+        for (int c = 0; c < D; c += TILE) {
+            __m512 r[TILE];
+            for (int t = 0; t < TILE; t++)
+                r[t] = t < n ? load16_f32(a->k, offsets[t] + c, a->dtype) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int j = 0; j < TILE; j++) _mm512_store_ps(kt + (int64_t)(c + j) * TILE, r[j]);
+        }
+        return;
+    }
+#endif
+    float row[D];
+    for (int t = 0; t < TILE; t++) {
+        const float *src = t < n ? row_f32(a->k, offsets[t], D, a->dtype, row) : NULL;
+        for (int d = 0; d < D; d++) kt[(int64_t)d * TILE + t] = src ? src[d] : 0.0f;
+    }
+}
+
+/* Both halves of the next block, one cache line at a time, while this one is used. */
+static inline void prefetch_block(const Args *a, int64_t block) {
+    const int size = a->dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t bytes = (int64_t)a->block_size * a->kv_stride_slot * size;
+    const char *k = (const char *)a->k + block * size;
+    const char *v = (const char *)a->v + block * size;
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(v + b);
+    }
+}
+
+/* Scratch of one thread, in floats: see `attend`. */
+static int64_t scratch_floats(int64_t rows, int64_t head_dim) {
+    return 2 * rows * head_dim + 2 * rows + 2 * TILE * head_dim;
+}
+
+
+/* Online-softmax update of one query row with one key tile: scores s[0..seen)
+ * (already scaled, log2 domain) -> weights p, then acc = acc * alpha + p . V. */
+static inline void update_row(float s_top, float *restrict m, float *restrict l, float sum,
+                              float *alpha_out) {
+    const float alpha = *m == -INFINITY ? 0.0f : exp2_nonpositive(*m - s_top);
+    *l = *l * alpha + sum;
+    *m = s_top;
+    *alpha_out = alpha;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 exp2_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+    for (int c = 1; c < 8; c++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[c]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One key tile of one KV head against the rows of that head (AVX-512). */
+static inline __attribute__((always_inline)) void tile_head(
+    const Args *a, const int64_t *offsets, int n, const int D, const float *q, float *acc,
+    float *m, float *l, float *kt, float *v_tile, int32_t prefix, int32_t first, int q_begin,
+    int q_end, int h) {
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    load_k_transposed(a, offsets, n, D, kt);
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < D; c += 16)
+            _mm512_store_ps(v_tile + t * D + c, load16_f32(a->v, offsets[t] + c, a->dtype));
+    for (int i = q_begin; i < q_end; i++) {
+        int seen = prefix + i - first + 1;
+        if (seen <= 0) continue;
+        seen = seen > n ? n : seen;
+        const __mmask16 live = (__mmask16)((1u << seen) - 1u);
+        for (int g = 0; g < G; g++) {
+            const int r = (i - q_begin) * Hq + h * G + g;
+            const float *qr = q + (int64_t)r * D;
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int d = 0; d < D; d += 4) {
+                s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * TILE), s0);
+                s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]),
+                                     _mm512_load_ps(kt + (d + 1) * TILE), s1);
+                s2 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 2]),
+                                     _mm512_load_ps(kt + (d + 2) * TILE), s2);
+                s3 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 3]),
+                                     _mm512_load_ps(kt + (d + 3) * TILE), s3);
+            }
+            const __m512 scores = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
+            const float tile_top = _mm512_mask_reduce_max_ps(live, scores);
+            const float top = tile_top > m[r] ? tile_top : m[r];
+            const __m512 p = _mm512_maskz_mov_ps(
+                live, exp2_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(top))));
+            float alpha;
+            update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(p), &alpha);
+            float w[TILE] __attribute__((aligned(64)));
+            _mm512_store_ps(w, p);
+            float *ar = acc + (int64_t)r * D;
+            for (int c = 0; c < D; c += 16) {
+                __m512 x = _mm512_mul_ps(_mm512_load_ps(ar + c), _mm512_set1_ps(alpha));
+                for (int t = 0; t < seen; t++)
+                    x = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_load_ps(v_tile + t * D + c), x);
+                _mm512_store_ps(ar + c, x);
+            }
+        }
+    }
+}
+#else
+/* One key tile of one KV head against the rows of that head (portable C). */
+static inline __attribute__((always_inline)) void tile_head(
+    const Args *a, const int64_t *offsets, int n, const int D, const float *q, float *acc,
+    float *m, float *l, float *kt, float *v_tile, int32_t prefix, int32_t first, int q_begin,
+    int q_end, int h) {
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    const float *v_rows[TILE];
+    load_k_transposed(a, offsets, n, D, kt);
+    for (int t = 0; t < n; t++)
+        v_rows[t] = row_f32(a->v, offsets[t], D, a->dtype, v_tile + (int64_t)t * D);
+    for (int i = q_begin; i < q_end; i++) {
+        int seen = prefix + i - first + 1;
+        if (seen <= 0) continue;
+        seen = seen > n ? n : seen;
+        for (int g = 0; g < G; g++) {
+            const int r = (i - q_begin) * Hq + h * G + g;
+            const float *restrict qr = q + (int64_t)r * D;
+            float w[TILE] = {0};
+            for (int d = 0; d < D; d++) {
+                const float *restrict kd = kt + (int64_t)d * TILE;
+#pragma omp simd
+                for (int t = 0; t < TILE; t++) w[t] += qr[d] * kd[t];
+            }
+            float top = m[r];
+            for (int t = 0; t < seen; t++) top = w[t] > top ? w[t] : top;
+            float sum = 0.0f;
+            for (int t = 0; t < seen; t++) {
+                w[t] = exp2_nonpositive(w[t] - top);
+                sum += w[t];
+            }
+            float alpha;
+            update_row(top, &m[r], &l[r], sum, &alpha);
+            float *restrict ar = acc + (int64_t)r * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) ar[d] *= alpha;
+            for (int t = 0; t < seen; t++) {
+                const float *restrict vr = v_rows[t];
+#pragma omp simd
+                for (int d = 0; d < D; d++) ar[d] += w[t] * vr[d];
+            }
+        }
+    }
+}
+#endif
+
+/* One work item. `D` is a literal at the call sites below, so each head size
+ * gets its own fully unrolled copy. Row r = token (i - q_begin) * H_q + query head.
+ * Scratch (floats, 64-byte aligned pieces as D is a multiple of 16):
+ * q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D] m[rows] l[rows]. */
+static inline __attribute__((always_inline)) void attend(const Args *a, const Item *it,
+                                                         float *scratch, float *partials,
+                                                         const int D) {
+    const int Hq = a->num_q_heads, bs = a->block_size;
+    const int32_t start = a->query_start[it->seq];
+    const int32_t q_len = a->query_start[it->seq + 1] - start;
+    const int32_t prefix = a->context_lens[it->seq] - q_len;
+    const int rows = (it->q_end - it->q_begin) * Hq;
+
+    float *q = scratch;
+    float *acc = q + (int64_t)rows * D;
+    float *kt = acc + (int64_t)rows * D;
+    float *v_tile = kt + (int64_t)TILE * D;
+    float *m = v_tile + (int64_t)TILE * D;
+    float *l = m + rows;
+    int64_t offsets[TILE];
+
+    for (int r = 0; r < rows; r++) {
+        const int i = it->q_begin + r / Hq, head = r % Hq;
+        const int64_t offset = (int64_t)(start + i) * a->q_stride_t + (int64_t)head * a->q_stride_h;
+        const float *src = row_f32(a->q, offset, D, a->dtype, q + (int64_t)r * D);
+#pragma omp simd
+        for (int d = 0; d < D; d++) q[(int64_t)r * D + d] = src[d] * a->scale_log2;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+#pragma omp simd
+        for (int d = 0; d < D; d++) acc[(int64_t)r * D + d] = 0.0f;
+    }
+
+    /* The tile's last row sees keys [0, last]; earlier rows stop sooner (causal). */
+    const int32_t last = prefix + it->q_end - 1;
+    const int32_t stop = last + 1 < it->key_end ? last + 1 : it->key_end;
+    const int32_t *table = a->block_tables + (int64_t)it->seq * a->table_stride;
+    for (int32_t first = it->key_begin; first < stop; first += TILE) {
+        const int n = stop - first < TILE ? stop - first : TILE;
+        const int32_t ahead = first + (bs > TILE ? bs : TILE);
+        if (ahead < stop && (first & (bs - 1)) == 0)
+            prefetch_block(a, (int64_t)table[ahead / bs] * a->kv_stride_block);
+        for (int h = 0; h < a->num_kv_heads; h++) {
+            for (int t = 0; t < n; t++) {
+                const int32_t pos = first + t;
+                offsets[t] = (int64_t)table[pos / bs] * a->kv_stride_block +
+                             (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
+                             (int64_t)h * a->kv_stride_head;
+            }
+            tile_head(a, offsets, n, D, q, acc, m, l, kt, v_tile, prefix, first, it->q_begin,
+                      it->q_end, h);
+        }
+    }
+
+    for (int r = 0; r < rows; r++) {
+        const float *ar = acc + (int64_t)r * D;
+        if (it->partial >= 0) {
+            float *dst = partials + (it->partial + r) * (D + 2);
+            dst[0] = m[r];
+            dst[1] = l[r];
+            memcpy(dst + 2, ar, sizeof(float) * D);
+            continue;
+        }
+        const int i = it->q_begin + r / Hq, head = r % Hq;
+        const float inv = 1.0f / l[r]; /* l >= 1: a row always sees its own key */
+        const int64_t offset =
+            (int64_t)(start + i) * a->out_stride_t + (int64_t)head * a->out_stride_h;
+        if (a->dtype == DTYPE_F32) {
+            float *dst = (float *)a->out + offset;
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = ar[d] * inv;
+        } else {
+            uint16_t *dst = (uint16_t *)a->out + offset;
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(ar[d] * inv);
+        }
+    }
+}
+
+static void attend_any(const Args *a, const Item *it, float *scratch, float *partials,
+                       int head_dim) {
+    switch (head_dim) {
+        case 64: attend(a, it, scratch, partials, 64); break;
+        case 128: attend(a, it, scratch, partials, 128); break;
+        default: attend(a, it, scratch, partials, head_dim); break;
+    }
+}
+
+/* Merge the slices of one tile: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p. */
+static void merge(const Args *a, const Item *slices, int num_slices, const float *partials,
+                  int head_dim) {
+    const int Hq = a->num_q_heads, D = head_dim;
+    const int32_t start = a->query_start[slices[0].seq];
+    const int rows = (slices[0].q_end - slices[0].q_begin) * Hq;
+    float acc[D];
+    for (int r = 0; r < rows; r++) {
+        float top = -INFINITY;
+        for (int s = 0; s < num_slices; s++) {
+            const float ms = partials[(slices[s].partial + r) * (D + 2)];
+            top = ms > top ? ms : top;
+        }
+        float total = 0.0f;
+        for (int d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int s = 0; s < num_slices; s++) {
+            const float *part = partials + (slices[s].partial + r) * (D + 2);
+            if (part[1] == 0.0f) continue; /* the slice lies wholly after this row */
+            const float w = exp2_nonpositive(part[0] - top);
+            total += w * part[1];
+#pragma omp simd
+            for (int d = 0; d < D; d++) acc[d] += w * part[2 + d];
+        }
+        const int i = slices[0].q_begin + r / Hq, head = r % Hq;
+        const int64_t offset =
+            (int64_t)(start + i) * a->out_stride_t + (int64_t)head * a->out_stride_h;
+        const float inv = 1.0f / total;
+        if (a->dtype == DTYPE_F32) {
+            float *dst = (float *)a->out + offset;
+            for (int d = 0; d < D; d++) dst[d] = acc[d] * inv;
+        } else {
+            uint16_t *dst = (uint16_t *)a->out + offset;
+            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[d] * inv);
+        }
+    }
+}
+
+/* Blocks per slice at least, when a sequence is split (below that, the merge
+ * costs more than the idle thread would). */
+enum { MIN_SLICE_BLOCKS = 16 };
+
+/* Attention of the new tokens of sequences `seqs[0..num_seqs)` (indices into the
+ * batch); rows of other sequences in `out` are left untouched. Strides are in
+ * elements; K and V share theirs. Returns 0, or -1 when scratch memory runs out
+ * (nothing is then written). */
+int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
+                            const void *k, const void *v, int64_t kv_stride_block,
+                            int64_t kv_stride_slot, int64_t kv_stride_head, void *out,
+                            int64_t out_stride_t, int64_t out_stride_h,
+                            const int32_t *block_tables, int64_t table_stride,
+                            const int32_t *query_start, const int32_t *context_lens,
+                            const int32_t *seqs, int32_t num_seqs, int32_t num_q_heads,
+                            int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                            int32_t q_tile, float scale_log2, int32_t dtype,
+                            int32_t num_threads) {
+    const Args a = {q, q_stride_t, q_stride_h, k, v, kv_stride_block, kv_stride_slot,
+                    kv_stride_head, out, out_stride_t, out_stride_h, block_tables, table_stride,
+                    query_start, context_lens, num_q_heads, num_kv_heads, block_size, q_tile,
+                    dtype, scale_log2};
+    int64_t num_tiles = 0;
+    for (int32_t s = 0; s < num_seqs; s++) {
+        const int32_t q_len = query_start[seqs[s] + 1] - query_start[seqs[s]];
+        num_tiles += (q_len + q_tile - 1) / q_tile;
+    }
+    if (num_tiles == 0) return 0;
+    /* Split tiles into slices only when there are too few tiles to share out. */
+    const int64_t want = num_tiles >= 2 * num_threads ? 1 : (4 * num_threads + num_tiles - 1) / num_tiles;
+    int64_t num_items = 0;
+    for (int32_t s = 0; s < num_seqs; s++) {
+        const int32_t b = seqs[s];
+        const int32_t q_len = query_start[b + 1] - query_start[b];
+        const int32_t blocks = (context_lens[b] + block_size - 1) / block_size;
+        int64_t slices = blocks / MIN_SLICE_BLOCKS;
+        slices = slices < 1 ? 1 : slices > want ? want : slices;
+        num_items += (int64_t)((q_len + q_tile - 1) / q_tile) * slices;
+    }
+    Item *items = malloc(sizeof(Item) * num_items);
+    int32_t *tile_first = malloc(sizeof(int32_t) * (num_tiles + 1));
+    if (!items || !tile_first) {
+        free(items);
+        free(tile_first);
+        return -1;
+    }
+    int64_t n = 0, tile = 0, partial_rows = 0;
+    for (int32_t s = 0; s < num_seqs; s++) {
+        const int32_t b = seqs[s];
+        const int32_t q_len = query_start[b + 1] - query_start[b];
+        const int32_t blocks = (context_lens[b] + block_size - 1) / block_size;
+        int64_t slices = blocks / MIN_SLICE_BLOCKS;
+        slices = slices < 1 ? 1 : slices > want ? want : slices;
+        const int32_t per_slice = (int32_t)((blocks + slices - 1) / slices) * block_size;
+        for (int32_t begin = 0; begin < q_len; begin += q_tile) {
+            const int32_t end = begin + q_tile < q_len ? begin + q_tile : q_len;
+            tile_first[tile++] = (int32_t)n;
+            for (int64_t p = 0; p < slices; p++) {
+                Item it = {b, begin, end, (int32_t)p * per_slice, (int32_t)(p + 1) * per_slice, -1};
+                if (slices > 1) {
+                    it.partial = partial_rows;
+                    partial_rows += (int64_t)(end - begin) * num_q_heads;
+                }
+                items[n++] = it;
+            }
+        }
+    }
+    tile_first[num_tiles] = (int32_t)n;
+
+    float *partials = partial_rows ? malloc(sizeof(float) * partial_rows * (head_dim + 2)) : NULL;
+    const int64_t rows = (int64_t)q_tile * num_q_heads;
+    const int64_t scratch_bytes =
+        ((scratch_floats(rows, head_dim) * (int64_t)sizeof(float) + 63) / 64) * 64;
+    int failed = partial_rows && !partials;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = aligned_alloc(64, scratch_bytes);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < num_items; i++)
+                attend_any(&a, &items[i], scratch, partials, head_dim);
+            if (partial_rows) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t t = 0; t < num_tiles; t++) {
+                    const int count = tile_first[t + 1] - tile_first[t];
+                    if (count > 1) merge(&a, &items[tile_first[t]], count, partials, head_dim);
+                }
+            }
+        }
+        free(scratch);
+    }
+    free(partials);
+    free(tile_first);
+    free(items);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,150 @@
+"""Paged attention on the CPU through the C kernel (``kernels/cpu_attention.c``).
+
+The native backend (``kernels.backend``) splits a step's sequences:
+
+    new tokens  1 .. NATIVE_MAX_QUERY   -> the C kernel, blocks read in place
+    new tokens  > NATIVE_MAX_QUERY      -> the torch reference's SDPA groups
+
+Decodes and short new turns are bound by reading K/V, which the torch path
+reads twice (its block gather, then SDPA); long prefill chunks are bound by
+the matrix products, where SDPA's wins. The torch reference
+(``paged_extend_attention_torch``) is this path's oracle in the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from kernels import native
+from kernels.extend_attention import attend_groups
+from kernels.extend_metadata import ExtendMetadata, extend_metadata
+
+# New tokens per sequence up to which the C kernel runs (see the module docstring), and
+# the kernel's query tile. Measured per layer, bf16, 2 threads, 8 sequences over 600
+# tokens: C / SDPA time 0.24x at 2 new tokens, 0.85x at 4, 1.1x at 8, 1.4x at 16; one
+# sequence over 1000 tokens: 0.5x, 0.7x, 0.96x, 1.35x.
+NATIVE_MAX_QUERY = 8
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def native_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C kernel takes such tensors: on the CPU, fp32 or bf16, a head size
+    that is a multiple of 16 (its vector width) up to 256."""
+    return device.type == "cpu" and dtype in _DTYPES and head_dim % 16 == 0 and head_dim <= 256
+
+
+def paged_attention_native(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    seqs: torch.Tensor,
+    out: torch.Tensor,
+    lib: ctypes.CDLL | None = None,
+) -> None:
+    """Write the attention of sequences ``seqs`` (int32 batch indices) into ``out``.
+
+    Arguments as ``kernels.paged_extend_attention`` (already checked there); other
+    sequences' rows of ``out`` are left as they are. ``lib``: a library built by
+    ``kernels.native`` (default: ``native.library()``).
+    """
+    if lib is None:
+        lib = native.library()
+    if lib is None:
+        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    if not native_supports(query.device, query.dtype, query.shape[-1]):
+        raise ValueError(
+            f"the native kernel takes CPU fp32/bf16 tensors with head_dim a multiple of 16 "
+            f"up to 256, got {query.device} {query.dtype} head_dim {query.shape[-1]}"
+        )
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError("out must be a query-shaped tensor of the query's dtype")
+    if seqs.numel() == 0:
+        return
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    seqs = seqs.to(torch.int32).contiguous()
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    status = lib.chatsvc_paged_attention(
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        tables.data_ptr(),
+        tables.stride(0),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        seqs.data_ptr(),
+        seqs.numel(),
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        NATIVE_MAX_QUERY,
+        scale * math.log2(math.e),
+        _DTYPES[query.dtype],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the native attention kernel could not allocate its scratch memory")
+
+
+def paged_extend_attention_native(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    metadata: ExtendMetadata | None = None,
+) -> torch.Tensor:
+    """Short runs through the C kernel, long ones through the torch groups.
+
+    ``metadata`` (built here when None) is ``extend_metadata`` with
+    ``native_max_query=NATIVE_MAX_QUERY``, shared by a step's layers.
+    """
+    if metadata is None:
+        num_kv_heads = k_cache.shape[2]
+        metadata = extend_metadata(
+            block_tables,
+            query_start_loc,
+            context_lens,
+            k_cache.shape[1],
+            query.shape[1] // num_kv_heads,
+            num_kv_heads * query.shape[2] * k_cache.element_size(),
+            query.dtype,
+            native_max_query=NATIVE_MAX_QUERY,
+        )
+    out = torch.empty_like(query)
+    paged_attention_native(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        metadata.native_seqs,
+        out,
+    )
+    attend_groups(query, k_cache, v_cache, metadata, scale, out)
+    return out

@@ -1,0 +1,159 @@
+"""Build and load the C kernels (``kernels/*.c``) the CPU path runs.
+
+They are compiled on first use with the machine's C compiler (``$CC``, else
+``gcc``) for this CPU (``-march=native``) and cached as a shared library under
+``$CHATSVC_DATA_DIR/kernels`` (default ``~/.cache/chatsvc/kernels``, the data
+directory of ``chatsvc.paths``), named by a hash of the source, the flags, the
+compiler and the CPU, so an edit or another machine builds afresh. A build
+takes about a second; concurrent builders each write a temporary file and
+rename it into place.
+
+Where no compiler works, ``library()`` returns None once it has logged why, and
+the kernels fall back to the torch reference (``kernels.backend``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+# torch first: its bundled libgomp (soname libgomp.so.1) is then the one our
+# library binds to, so both share one OpenMP thread team.
+import torch  # noqa: F401
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+# No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
+BASE_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fPIC",
+    "-shared",
+]
+BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_loaded: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def build_dir() -> Path:
+    configured = os.environ.get("CHATSVC_DATA_DIR")
+    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "chatsvc"
+    return root / "kernels"
+
+
+def default_flags() -> list[str]:
+    """Compiler flags of the library ``library()`` loads."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        # gcc splits loops into 256-bit vectors on many Intel targets by default.
+        return [*BASE_FLAGS, "-mprefer-vector-width=512"]
+    return list(BASE_FLAGS)
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler_version(compiler: str) -> str:
+    result = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    )
+    return result.stdout.splitlines()[0] if result.stdout else ""
+
+
+def build(compiler: str, flags: list[str]) -> Path:
+    """Compile ``SOURCE`` with ``flags`` unless a library of the same key is cached; its path.
+
+    Raises RuntimeError (with the compiler's message) when the build fails.
+    """
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, " ".join(flags).encode(), _compiler_version(compiler).encode()):
+        key.update(part)
+        key.update(b"\0")
+    key.update(_cpu_signature().encode())
+    target = build_dir() / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", partial, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """Load a library ``build`` made, with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    fn = lib.chatsvc_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ptr, i64, i64,  # query, strides (token, head)
+        ptr, ptr, i64, i64, i64,  # k, v, strides (block, slot, head)
+        ptr, i64, i64,  # out, strides (token, head)
+        ptr, i64,  # block_tables, row stride
+        ptr, ptr,  # query_start, context_lens
+        ptr, i32,  # seqs, num_seqs
+        i32, i32, i32, i32,  # num_q_heads, num_kv_heads, head_dim, block_size
+        i32, ctypes.c_float, i32, i32,  # q_tile, scale * log2(e), dtype, num_threads
+    ]  # fmt: skip
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first call; None when it cannot be built."""
+    global _loaded, _error
+    if _loaded is not None:  # every kernel call on the CPU asks: no lock once loaded
+        return _loaded
+    with _lock:
+        if _loaded is not None or _error is not None:
+            return _loaded
+        compiler = os.environ.get("CC") or "gcc"
+        try:
+            if shutil.which(compiler) is None:
+                raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+            _loaded = load(build(compiler, default_flags()))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _error = str(exc)
+            log.warning("native CPU kernels unavailable, using the torch path: %s", _error)
+        return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why ``library()`` returned None (None when it loaded or was not tried)."""
+    return _error

@@ -1,0 +1,141 @@
+"""The native CPU attention (kernels/cpu_attention.c): its build, and its results against
+the dense oracle where the shared tests (test_reference*.py) do not reach: long
+sequences split across threads, key tiles spanning small blocks, the portable C
+path, a subset of the batch, and its refusals."""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import pytest
+import torch
+from kernel_cases import assert_close, extend_inputs, extend_oracle, make_paged_case
+
+import kernels
+from kernels import native
+from kernels.backend import resolve_backend
+from kernels.cpu_attention import NATIVE_MAX_QUERY, paged_attention_native
+
+
+def _run(case, query, starts, seqs, lib=None, out=None):
+    out = torch.full_like(query, float("nan")) if out is None else out
+    paged_attention_native(
+        query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        starts,
+        case.context_lens,
+        1 / math.sqrt(query.shape[-1]),
+        torch.tensor(seqs, dtype=torch.int32),
+        out,
+        lib=lib,
+    )
+    return out
+
+
+def _check(lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=None):
+    case = make_paged_case(lens, block_size, num_kv_heads, head_dim, dtype)
+    query, starts = extend_inputs(case, q_lens, num_kv_heads * group)
+    out = _run(case, query, starts, list(range(len(lens))), lib)
+    assert_close(out, extend_oracle(case, query, q_lens), dtype)
+
+
+def test_the_library_is_built_once_per_source_flags_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    first = native.build("gcc", native.default_flags())
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    built_at = first.stat().st_mtime_ns
+    assert native.build("gcc", native.default_flags()) == first
+    assert first.stat().st_mtime_ns == built_at  # cached, not rebuilt
+    other = native.build("gcc", [*native.default_flags(), "-DCHATSVC_TEST_VARIANT"])
+    assert other != first and other.exists()
+    assert not list((tmp_path / "kernels").glob("*.partial"))
+
+
+def test_a_failed_build_raises_with_the_compiler_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="gcc failed"):
+        native.build("gcc", [*native.default_flags(), "-fno-such-flag"])
+    assert not list((tmp_path / "kernels").glob("*"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 3, NATIVE_MAX_QUERY, 21])
+def test_one_long_sequence_is_split_across_threads_and_merged(q_len, dtype):
+    # ~100 blocks of 16 and few query tiles: the kernel slices the keys (flash-decoding).
+    _check([1600], [q_len], 16, 2, 3, 64, dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_key_tiles_across_small_and_large_blocks(block_size):
+    _check([37, 5, 70], [1, 5, 2], block_size, 2, 4, 64, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 128])
+def test_head_sizes(head_dim):
+    _check([23, 40], [1, 4], 8, 2, 2, head_dim, torch.bfloat16)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX-512 is an x86 extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_portable_c_path_matches_the_oracle(dtype, tmp_path, monkeypatch):
+    """The machines here have AVX-512, so the library's plain-C path needs its own build."""
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    lib = native.load(native.build("gcc", [*native.default_flags(), "-mno-avx512f"]))
+    _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
+    _check([900], [5], 16, 1, 4, 128, dtype, lib)
+
+
+def test_rows_of_sequences_not_listed_are_left_alone():
+    case = make_paged_case([30, 12, 50], 8, 2, 64)
+    q_lens = [2, 3, 1]
+    query, starts = extend_inputs(case, q_lens, 6)
+    out = _run(case, query, starts, [2, 0])
+    expected = extend_oracle(case, query, q_lens)
+    assert torch.isnan(out[2:5]).all()  # sequence 1's rows
+    assert_close(out[:2], expected[:2], torch.float32)
+    assert_close(out[5:], expected[5:], torch.float32)
+
+
+def test_refusals_leave_the_output_untouched():
+    case = make_paged_case([30], 8, 2, 64)
+    query, starts = extend_inputs(case, [2], 6)
+    out = torch.zeros_like(query)
+    with pytest.raises(ValueError, match="head_dim a multiple of 16"):
+        _run(case, query.half(), starts, [0], out=out.half())
+    with pytest.raises(ValueError, match="share strides"):
+        paged_attention_native(
+            query,
+            case.k_cache,
+            case.v_cache.contiguous(),
+            case.block_tables,
+            starts,
+            case.context_lens,
+            0.125,
+            torch.tensor([0], dtype=torch.int32),
+            out,
+        )
+    with pytest.raises(ValueError, match="query-shaped"):
+        _run(case, query, starts, [0], out=out[:1])
+    assert not out.any()
+
+
+def test_dtypes_the_kernel_does_not_take_run_on_the_torch_path():
+    case = make_paged_case([30, 9], 8, 2, 64, torch.float16)
+    query = torch.randn(2, 6, 64).half()
+    args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    native_out = kernels.paged_decode_attention(*args, backend="native")
+    assert torch.equal(native_out, kernels.paged_decode_attention(*args, backend="torch"))
+
+
+def test_without_a_compiler_the_cpu_falls_back_to_torch(monkeypatch):
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setenv("CC", "no-such-compiler")
+    assert native.library() is None
+    assert "no-such-compiler" in native.unavailable_reason()
+    assert resolve_backend(None, torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="unavailable"):
+        resolve_backend("native", torch.device("cpu"))
