@@ -203,6 +203,41 @@ static inline __m512 exp2_nonpositive16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Scores of R query rows against the transposed key tile: each row keeps two
+ * partial sums (even and odd d) and the R rows share every key load, so 2R
+ * independent chains of multiply-adds keep the FMA units busy. */
+static inline __attribute__((always_inline)) void scores_rows(const float *const *rows,
+                                                              const float *kt, const int D,
+                                                              const int R, __m512 *out) {
+    __m512 even[4], odd[4];
+    for (int j = 0; j < R; j++) even[j] = odd[j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 2) {
+        const __m512 k0 = _mm512_load_ps(kt + d * TILE);
+        const __m512 k1 = _mm512_load_ps(kt + (d + 1) * TILE);
+        for (int j = 0; j < R; j++) {
+            even[j] = _mm512_fmadd_ps(_mm512_set1_ps(rows[j][d]), k0, even[j]);
+            odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(rows[j][d + 1]), k1, odd[j]);
+        }
+    }
+    for (int j = 0; j < R; j++) out[j] = _mm512_add_ps(even[j], odd[j]);
+}
+
+/* acc = acc * alpha + sum_t w[t] V[t]: the D / 16 chunks are independent chains. */
+static inline __attribute__((always_inline)) void accumulate_row(float *acc, float alpha,
+                                                                 const float *w, int seen,
+                                                                 const float *v_tile,
+                                                                 const int D) {
+    __m512 x[D / 16];
+    for (int c = 0; c < D / 16; c++)
+        x[c] = _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(alpha));
+    for (int t = 0; t < seen; t++) {
+        const __m512 weight = _mm512_set1_ps(w[t]);
+        for (int c = 0; c < D / 16; c++)
+            x[c] = _mm512_fmadd_ps(weight, _mm512_load_ps(v_tile + t * D + 16 * c), x[c]);
+    }
+    for (int c = 0; c < D / 16; c++) _mm512_store_ps(acc + 16 * c, x[c]);
+}
+
 /* One key tile of one KV head against the rows of that head (AVX-512). */
 static inline __attribute__((always_inline)) void tile_head(
     const Args *a, const int64_t *offsets, int n, const int D, const float *q, float *acc,
@@ -218,34 +253,29 @@ static inline __attribute__((always_inline)) void tile_head(
         if (seen <= 0) continue;
         seen = seen > n ? n : seen;
         const __mmask16 live = (__mmask16)((1u << seen) - 1u);
-        for (int g = 0; g < G; g++) {
-            const int r = (i - q_begin) * Hq + h * G + g;
-            const float *qr = q + (int64_t)r * D;
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            for (int d = 0; d < D; d += 4) {
-                s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * TILE), s0);
-                s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]),
-                                     _mm512_load_ps(kt + (d + 1) * TILE), s1);
-                s2 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 2]),
-                                     _mm512_load_ps(kt + (d + 2) * TILE), s2);
-                s3 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 3]),
-                                     _mm512_load_ps(kt + (d + 3) * TILE), s3);
+        const int first_row = (i - q_begin) * Hq + h * G;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int R = G - g0 < 4 ? G - g0 : 4;
+            const float *rows[4];
+            __m512 scores[4];
+            for (int j = 0; j < R; j++) rows[j] = q + (int64_t)(first_row + g0 + j) * D;
+            switch (R) { /* literal row counts: the row loops unroll into registers */
+                case 1: scores_rows(rows, kt, D, 1, scores); break;
+                case 2: scores_rows(rows, kt, D, 2, scores); break;
+                case 3: scores_rows(rows, kt, D, 3, scores); break;
+                default: scores_rows(rows, kt, D, 4, scores); break;
             }
-            const __m512 scores = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
-            const float tile_top = _mm512_mask_reduce_max_ps(live, scores);
-            const float top = tile_top > m[r] ? tile_top : m[r];
-            const __m512 p = _mm512_maskz_mov_ps(
-                live, exp2_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(top))));
-            float alpha;
-            update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(p), &alpha);
-            float w[TILE] __attribute__((aligned(64)));
-            _mm512_store_ps(w, p);
-            float *ar = acc + (int64_t)r * D;
-            for (int c = 0; c < D; c += 16) {
-                __m512 x = _mm512_mul_ps(_mm512_load_ps(ar + c), _mm512_set1_ps(alpha));
-                for (int t = 0; t < seen; t++)
-                    x = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_load_ps(v_tile + t * D + c), x);
-                _mm512_store_ps(ar + c, x);
+            for (int j = 0; j < R; j++) {
+                const int r = first_row + g0 + j;
+                const float tile_top = _mm512_mask_reduce_max_ps(live, scores[j]);
+                const float top = tile_top > m[r] ? tile_top : m[r];
+                const __m512 p = _mm512_maskz_mov_ps(
+                    live, exp2_nonpositive16(_mm512_sub_ps(scores[j], _mm512_set1_ps(top))));
+                float alpha;
+                update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(p), &alpha);
+                float w[TILE] __attribute__((aligned(64)));
+                _mm512_store_ps(w, p);
+                accumulate_row(acc + (int64_t)r * D, alpha, w, seen, v_tile, D);
             }
         }
     }
