@@ -7,6 +7,7 @@ Public API (signatures fixed in docs/contracts.md)::
     paged_extend_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                            context_lens, scale) -> out
     copy_blocks(src_pool, dst_pool, pairs)
+    rms_norm(x, weight, eps) -> out
 
 Every function also takes, by keyword:
 
@@ -41,10 +42,17 @@ from kernels.extend_attention import (
     paged_extend_attention_triton,
 )
 from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
+from kernels.rms_norm import rms_norm
 from kernels.step_metadata import WriteIndex, check_write_index
 from kernels.write_kv import check_write_kv, write_kv_torch, write_kv_triton
 
-__all__ = ["copy_blocks", "paged_decode_attention", "paged_extend_attention", "write_kv"]
+__all__ = [
+    "copy_blocks",
+    "paged_decode_attention",
+    "paged_extend_attention",
+    "rms_norm",
+    "write_kv",
+]
 
 
 def write_kv(

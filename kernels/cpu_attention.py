@@ -28,13 +28,12 @@ from kernels.extend_metadata import ExtendMetadata, extend_metadata
 # sequence over 1000 tokens: 0.5x, 0.7x, 0.96x, 1.35x.
 NATIVE_MAX_QUERY = 8
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
 
 def native_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the C kernel takes such tensors: on the CPU, fp32 or bf16, a head size
     that is a multiple of 16 (its vector width) up to 256."""
-    return device.type == "cpu" and dtype in _DTYPES and head_dim % 16 == 0 and head_dim <= 256
+    supported = dtype in native.DTYPE_CODES and head_dim % 16 == 0 and head_dim <= 256
+    return device.type == "cpu" and supported
 
 
 def paged_attention_native(
@@ -100,7 +99,7 @@ def paged_attention_native(
         block_size,
         NATIVE_MAX_QUERY,
         scale * math.log2(math.e),
-        _DTYPES[query.dtype],
+        native.DTYPE_CODES[query.dtype],
         torch.get_num_threads(),
     )
     if status != 0:

@@ -1,4 +1,4 @@
-"""Build and load the C kernels (``kernels/*.c``) the CPU path runs.
+"""Build and load the C kernels (``kernels/cpu_*.c``) the CPU path runs.
 
 They are compiled on first use with the machine's C compiler (``$CC``, else
 ``gcc``) for this CPU (``-march=native``) and cached as a shared library under
@@ -27,11 +27,12 @@ from pathlib import Path
 
 # torch first: its bundled libgomp (soname libgomp.so.1) is then the one our
 # library binds to, so both share one OpenMP thread team.
-import torch  # noqa: F401
+import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_norm.c"))
+LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
 BASE_FLAGS = [
     "-O3",
@@ -43,6 +44,8 @@ BASE_FLAGS = [
     "-shared",
 ]
 BUILD_TIMEOUT_S = 120
+# The C kernels' dtype argument.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
@@ -80,17 +83,16 @@ def _compiler_version(compiler: str) -> str:
 
 
 def build(compiler: str, flags: list[str]) -> Path:
-    """Compile ``SOURCE`` with ``flags`` unless a library of the same key is cached; its path.
-
-    Raises RuntimeError (with the compiler's message) when the build fails.
+    """Compile ``SOURCES`` into one library with ``flags`` unless one of the same key is
+    cached; its path. Raises RuntimeError (with the compiler's message) when the build fails.
     """
-    source = SOURCE.read_bytes()
     key = hashlib.sha256()
-    for part in (source, " ".join(flags).encode(), _compiler_version(compiler).encode()):
+    sources = [path.read_bytes() for path in SOURCES]
+    for part in (*sources, " ".join(flags).encode(), _compiler_version(compiler).encode()):
         key.update(part)
         key.update(b"\0")
     key.update(_cpu_signature().encode())
-    target = build_dir() / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    target = build_dir() / f"{LIBRARY}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,7 @@ def build(compiler: str, flags: list[str]) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", partial, "-lm"],
+            [compiler, *flags, *map(str, SOURCES), "-o", partial, "-lm"],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
@@ -132,6 +134,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i32,  # seqs, num_seqs
         i32, i32, i32, i32,  # num_q_heads, num_kv_heads, head_dim, block_size
         i32, ctypes.c_float, i32, i32,  # q_tile, scale * log2(e), dtype, num_threads
+    ]  # fmt: skip
+    norm = lib.chatsvc_rms_norm
+    norm.restype = None
+    norm.argtypes = [
+        ptr, i64, ptr, ptr, i64,  # x, row stride, weight, out, row stride
+        i64, i64, ctypes.c_float, i32, i32,  # rows, hidden, eps, dtype, num_threads
     ]  # fmt: skip
 
 

@@ -166,7 +166,7 @@ class LlamaModel:
         self._check(batch, kv_pool)
         c, w = self.config, self.weights
         num_tokens = batch.num_tokens
-        q_size, kv_size, hidden = c.q_size, c.kv_size, (c.hidden_size,)
+        q_size, kv_size = c.q_size, c.kv_size
         heads_qk = c.num_heads + c.num_kv_heads
         eps = c.rms_norm_eps
         mm, mm_add = self._linear, self._linear_add
@@ -175,7 +175,7 @@ class LlamaModel:
         write_index, attention_metadata = self._step_metadata(batch, kv_pool.shape[3])
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
-            x = F.rms_norm(h, hidden, layer.input_norm, eps)
+            x = kernels.rms_norm(h, layer.input_norm, eps)
             qkv = mm(x, layer.qkv_weight, layer.qkv_bias)  # [T, q + 2kv]
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads_qk, c.head_dim)
             apply_rope_(qk, cos, sin)
@@ -211,12 +211,12 @@ class LlamaModel:
                     metadata=attention_metadata,
                 )
             h = mm_add(o.reshape(num_tokens, q_size), layer.o_weight, h)
-            x = F.rms_norm(h, hidden, layer.post_norm, eps)
+            x = kernels.rms_norm(h, layer.post_norm, eps)
             act = swiglu(mm(x, layer.gate_up_weight))  # [T, I]
             h = mm_add(act, layer.down_weight, h)
 
         last = h.index_select(0, batch.logits_indices)  # [B, hidden]
-        last = F.rms_norm(last, hidden, w.final_norm, eps)
+        last = kernels.rms_norm(last, w.final_norm, eps)
         return mm(last, self._lm_head).float()  # [B, vocab]
 
     __call__ = forward

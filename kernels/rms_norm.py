@@ -1,0 +1,67 @@
+"""RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+On the native backend (``kernels.backend``) rows run through the C loop in
+``kernels/cpu_norm.c``; elsewhere, and as its reference, ``torch.nn.functional.rms_norm``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.backend import resolve_backend
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``weight`` can scale the last axis of ``x``."""
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"weight must be [hidden] = [{x.shape[-1] if x.dim() else '?'}], "
+            f"got {tuple(weight.shape)} for x {tuple(x.shape)}"
+        )
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(
+            f"weight {weight.dtype} on {weight.device} does not match x {x.dtype} on {x.device}"
+        )
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The C loop on rows of ``x`` (``[rows, hidden]``, unit stride along hidden)."""
+    lib = native.library()
+    if lib is None:
+        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    weight = weight.contiguous()
+    lib.chatsvc_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        native.DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None
+) -> torch.Tensor:
+    """RMSNorm of ``x [..., hidden]``; returns a new tensor of ``x``'s shape and dtype."""
+    check_rms_norm(x, weight)
+    if (
+        resolve_backend(backend, x.device) == "native"
+        and x.dim() == 2
+        and x.dtype in native.DTYPE_CODES
+        and x.stride(-1) == 1
+    ):
+        return rms_norm_native(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
