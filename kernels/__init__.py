@@ -8,6 +8,8 @@ Public API (signatures fixed in docs/contracts.md)::
                            context_lens, scale) -> out
     copy_blocks(src_pool, dst_pool, pairs)
     rms_norm(x, weight, eps) -> out
+    apply_rope_(x, cos, sin)
+    swiglu(gate_up) -> out
 
 Every function also takes, by keyword:
 
@@ -43,14 +45,18 @@ from kernels.extend_attention import (
 )
 from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
 from kernels.rms_norm import rms_norm
+from kernels.rope import apply_rope_
 from kernels.step_metadata import WriteIndex, check_write_index
+from kernels.swiglu import swiglu
 from kernels.write_kv import check_write_kv, write_kv_torch, write_kv_triton
 
 __all__ = [
+    "apply_rope_",
     "copy_blocks",
     "paged_decode_attention",
     "paged_extend_attention",
     "rms_norm",
+    "swiglu",
     "write_kv",
 ]
 

@@ -222,16 +222,18 @@ static inline __attribute__((always_inline)) void scores_rows(const float *const
     for (int j = 0; j < R; j++) out[j] = _mm512_add_ps(even[j], odd[j]);
 }
 
-/* acc = acc * alpha + sum_t w[t] V[t]: the D / 16 chunks are independent chains. */
+/* acc = acc * alpha + sum_t p[t] V[t]: the D / 16 chunks are independent chains. Each
+ * weight is broadcast from the register holding p (a store and scalar reloads would
+ * stall on store forwarding). */
 static inline __attribute__((always_inline)) void accumulate_row(float *acc, float alpha,
-                                                                 const float *w, int seen,
+                                                                 __m512 p, int seen,
                                                                  const float *v_tile,
                                                                  const int D) {
     __m512 x[D / 16];
     for (int c = 0; c < D / 16; c++)
         x[c] = _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(alpha));
     for (int t = 0; t < seen; t++) {
-        const __m512 weight = _mm512_set1_ps(w[t]);
+        const __m512 weight = _mm512_permutexvar_ps(_mm512_set1_epi32(t), p);
         for (int c = 0; c < D / 16; c++)
             x[c] = _mm512_fmadd_ps(weight, _mm512_load_ps(v_tile + t * D + 16 * c), x[c]);
     }
@@ -273,9 +275,7 @@ static inline __attribute__((always_inline)) void tile_head(
                     live, exp2_nonpositive16(_mm512_sub_ps(scores[j], _mm512_set1_ps(top))));
                 float alpha;
                 update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(p), &alpha);
-                float w[TILE] __attribute__((aligned(64)));
-                _mm512_store_ps(w, p);
-                accumulate_row(acc + (int64_t)r * D, alpha, w, seen, v_tile, D);
+                accumulate_row(acc + (int64_t)r * D, alpha, p, seen, v_tile, D);
             }
         }
     }

@@ -31,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_norm.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c"))
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
 BASE_FLAGS = [
@@ -140,6 +140,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     norm.argtypes = [
         ptr, i64, ptr, ptr, i64,  # x, row stride, weight, out, row stride
         i64, i64, ctypes.c_float, i32, i32,  # rows, hidden, eps, dtype, num_threads
+    ]  # fmt: skip
+    rope = lib.chatsvc_rope
+    rope.restype = None
+    rope.argtypes = [
+        ptr, i64, i64, i64, i64, i64,  # x, row and head strides, rows, heads, head_dim
+        ptr, ptr, i32, i32,  # cos, sin ([rows, head_dim] each), dtype, num_threads
+    ]  # fmt: skip
+    swiglu = lib.chatsvc_swiglu
+    swiglu.restype = None
+    swiglu.argtypes = [
+        ptr, i64, ptr, i64,  # gate_up, row stride, out, row stride
+        i64, i64, i32, i32,  # rows, intermediate size, dtype, num_threads
     ]  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight``.
 
 On the native backend (``kernels.backend``) rows run through the C loop in
-``kernels/cpu_norm.c``; elsewhere, and as its reference, ``torch.nn.functional.rms_norm``.
+``kernels/cpu_layers.c``; elsewhere, and as its reference, ``torch.nn.functional.rms_norm``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Building blocks of the Llama forward pass that are not matmuls: RoPE and the SwiGLU gate."""
+"""Building blocks of the Llama forward pass: the RoPE tables and the (prepacked) linears.
+
+The element-wise layers (RMSNorm, RoPE, SwiGLU) are in kernels/."""
 
 from __future__ import annotations
 
@@ -56,22 +58,6 @@ class RotaryTables:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the given positions, each ``[T, 1, D]`` (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate ``x [T, H, D]`` in place: ``x * cos + rotate_half(x) * sin``.
-
-    ``x`` may be a strided view into the fused QKV output; q and k are rotated in one call.
-    """
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    x.mul_(cos).addcmul_(rotated, sin)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` from the fused ``[T, 2 * I]`` projection; returns ``[T, I]``."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:

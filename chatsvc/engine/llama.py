@@ -23,14 +23,12 @@ import kernels
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.layers import (
     RotaryTables,
-    apply_rope_,
     can_prepack,
     linear,
     linear_add,
     packed_linear,
     packed_linear_add,
     prepack,
-    swiglu,
 )
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
@@ -178,7 +176,7 @@ class LlamaModel:
             x = kernels.rms_norm(h, layer.input_norm, eps)
             qkv = mm(x, layer.qkv_weight, layer.qkv_bias)  # [T, q + 2kv]
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads_qk, c.head_dim)
-            apply_rope_(qk, cos, sin)
+            kernels.apply_rope_(qk, cos, sin)
             q = qk[:, : c.num_heads]  # [T, H_q, D]
             k = qk[:, c.num_heads :]  # [T, H_kv, D]
             v = qkv[:, q_size + kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -212,7 +210,7 @@ class LlamaModel:
                 )
             h = mm_add(o.reshape(num_tokens, q_size), layer.o_weight, h)
             x = kernels.rms_norm(h, layer.post_norm, eps)
-            act = swiglu(mm(x, layer.gate_up_weight))  # [T, I]
+            act = kernels.swiglu(mm(x, layer.gate_up_weight))  # [T, I]
             h = mm_add(act, layer.down_weight, h)
 
         last = h.index_select(0, batch.logits_indices)  # [B, hidden]

@@ -1,0 +1,66 @@
+"""Rotary position embedding, in place, in HF's rotate_half layout.
+
+On the native backend (``kernels.backend``) the C loop in ``kernels/cpu_layers.c``;
+elsewhere, and as its reference, ``x * cos + rotate_half(x) * sin`` in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import native
+from kernels.backend import resolve_backend
+
+
+def check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``cos``/``sin`` hold one ``[D]`` row per token of ``x``."""
+    if x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [T, H, D] with D even, got {tuple(x.shape)}")
+    expected = (x.shape[0], 1, x.shape[-1])
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != expected or table.dtype != x.dtype or table.device != x.device:
+            raise ValueError(
+                f"{name} must be {expected} {x.dtype} on {x.device}, got "
+                f"{tuple(table.shape)} {table.dtype} on {table.device}"
+            )
+
+
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    x.mul_(cos).addcmul_(rotated, sin)
+
+
+def apply_rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    lib = native.library()
+    if lib is None:
+        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib.chatsvc_rope(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        x.shape[0],
+        x.shape[1],
+        x.shape[2],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        native.DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+
+
+def apply_rope_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str | None = None
+) -> None:
+    """Rotate ``x [T, H, D]`` in place by ``cos``/``sin`` ``[T, 1, D]`` (both halves of a
+    head share an angle). ``x`` may be a strided view, e.g. q and k inside a fused QKV."""
+    check_rope(x, cos, sin)
+    if (
+        resolve_backend(backend, x.device) == "native"
+        and x.dtype in native.DTYPE_CODES
+        and x.stride(-1) == 1
+    ):
+        apply_rope_native(x, cos, sin)
+    else:
+        apply_rope_torch(x, cos, sin)

@@ -1,0 +1,50 @@
+"""The SwiGLU gate: ``silu(gate) * up`` from a fused ``[T, 2 * I]`` projection.
+
+On the native backend (``kernels.backend``) the C loop in ``kernels/cpu_layers.c``;
+elsewhere, and as its reference, ``F.silu(gate).mul_(up)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.backend import resolve_backend
+
+
+def swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def swiglu_native(gate_up: torch.Tensor) -> torch.Tensor:
+    lib = native.library()
+    if lib is None:
+        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    lib.chatsvc_swiglu(
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        width // 2,
+        native.DTYPE_CODES[gate_up.dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def swiglu(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [T, 2 * I]``; returns ``[T, I]``."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
+    if (
+        resolve_backend(backend, gate_up.device) == "native"
+        and gate_up.dtype in native.DTYPE_CODES
+        and gate_up.stride(-1) == 1
+    ):
+        return swiglu_native(gate_up)
+    return swiglu_torch(gate_up)
