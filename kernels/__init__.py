@@ -48,7 +48,7 @@ from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope_
 from kernels.step_metadata import WriteIndex, check_write_index
 from kernels.swiglu import swiglu
-from kernels.write_kv import check_write_kv, write_kv_torch, write_kv_triton
+from kernels.write_kv import check_write_kv, write_kv_native, write_kv_torch, write_kv_triton
 
 __all__ = [
     "apply_rope_",
@@ -77,14 +77,18 @@ def write_kv(
     ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, H_kv, D]``
     views of the pool, written in place. Slots must be distinct. ``index``
     (``kernels.step_metadata.write_index`` of the same slots) spares the torch
-    path re-deriving it in every layer; Triton ignores it.
+    path re-deriving it in every layer; Triton and native ignore it.
     """
     check_write_kv(k_cache, v_cache, key, value, slot_mapping, check_bounds)
-    if resolve_backend(backend, k_cache.device) == "triton":
+    chosen = resolve_backend(backend, k_cache.device)
+    if chosen == "triton":
         write_kv_triton(k_cache, v_cache, key, value, slot_mapping)
         return
     if index is not None:
         check_write_index(index, key.shape[0], k_cache.shape[1])
+    if chosen == "native":
+        write_kv_native(k_cache, v_cache, key, value, slot_mapping)
+        return
     write_kv_torch(k_cache, v_cache, key, value, slot_mapping, index)
 
 

@@ -31,7 +31,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_kv.c", "cpu_layers.c")
+)
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
 BASE_FLAGS = [
@@ -140,6 +142,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     norm.argtypes = [
         ptr, i64, ptr, ptr, i64,  # x, row stride, weight, out, row stride
         i64, i64, ctypes.c_float, i32, i32,  # rows, hidden, eps, dtype, num_threads
+    ]  # fmt: skip
+    write = lib.chatsvc_write_kv
+    write.restype = None
+    write.argtypes = [
+        ptr, i64, i64, ptr, i64, i64,  # key, value and their (token, head) strides
+        ptr, ptr, i64, i64, i64,  # k_cache, v_cache, strides (block, slot, head)
+        ptr, i64, i64, i64, i64, i64,  # slots, tokens, heads, head_dim, block_size, item size
     ]  # fmt: skip
     rope = lib.chatsvc_rope
     rope.restype = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import native
 from kernels.backend import runnable
 from kernels.step_metadata import WriteIndex, write_index
 from kernels.triton_compat import tl, triton
@@ -119,6 +120,41 @@ def write_kv_torch(
         key, value = key[index.keep], value[index.keep]
     k_cache[index.blocks, index.offsets] = key
     v_cache[index.blocks, index.offsets] = value
+
+
+def write_kv_native(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Row copies in C (``kernels/cpu_kv.c``), in place (inputs already checked)."""
+    lib = native.library()
+    if lib is None:
+        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    lib.chatsvc_write_kv(
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        slots.data_ptr(),
+        key.shape[0],
+        key.shape[1],
+        key.shape[2],
+        k_cache.shape[1],
+        key.element_size(),
+    )
 
 
 def write_kv_triton(

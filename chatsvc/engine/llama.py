@@ -132,16 +132,21 @@ class LlamaModel:
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
     def _step_metadata(self, batch: ForwardBatch, block_size: int):
-        """The CPU kernels' slot split and attention groups, once for all layers.
+        """The CPU kernels' slot split (torch) and attention groups, once for all layers.
 
         (None, None) where the kernels run Triton, which reads the raw tensors itself.
         """
         backend = resolve_backend(None, self.device)
         if backend == "triton":
             return None, None
-        index = step_metadata.write_index(batch.slot_mapping, block_size)
         c = self.config
         native = backend == "native" and native_supports(self.device, self.dtype, c.head_dim)
+        # The native KV write reads the slots as they are; the torch one wants them split.
+        index = (
+            None
+            if backend == "native"
+            else step_metadata.write_index(batch.slot_mapping, block_size)
+        )
         metadata = extend_metadata(
             batch.block_tables,
             batch.query_start_loc,

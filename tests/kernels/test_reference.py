@@ -122,12 +122,14 @@ def test_decode_ignores_data_past_the_context(backend):
     assert torch.equal(before, after)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_reference_scatters_and_skips(dtype):
+def test_write_kv_scatters_and_skips(dtype, backend):
     case = make_paged_case([10, 5], 8, 2, 64, dtype)
     before = case.pool.clone()
-    key = torch.randn(4, 2, 64).to(dtype)
-    value = torch.randn(4, 2, 64).to(dtype)
+    # Strided rows, as k and v are views into the fused QKV projection.
+    key = torch.randn(4, 5, 64).to(dtype)[:, 1:3]
+    value = torch.randn(4, 5, 64).to(dtype)[:, 3:]
     slots = torch.cat(
         [
             slots_of(case, 0, torch.tensor([9, 2])),
@@ -135,7 +137,7 @@ def test_write_kv_reference_scatters_and_skips(dtype):
             slots_of(case, 1, torch.tensor([4])),
         ]
     )
-    kernels.write_kv(case.k_cache, case.v_cache, key, value, slots)
+    kernels.write_kv(case.k_cache, case.v_cache, key, value, slots, backend=backend)
     bs = case.block_size
     for i in (0, 1, 3):
         s = int(slots[i])
