@@ -23,10 +23,11 @@ from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
 
 # New tokens per sequence up to which the C kernel runs (see the module docstring), and
-# the kernel's query tile. Measured per layer, bf16, 2 threads, 8 sequences over 600
-# tokens: C / SDPA time 0.24x at 2 new tokens, 0.85x at 4, 1.1x at 8, 1.4x at 16; one
-# sequence over 1000 tokens: 0.5x, 0.7x, 0.96x, 1.35x.
-NATIVE_MAX_QUERY = 8
+# the kernel's query tile. Per layer, bf16, 2 threads, C / SDPA time (SDPA including its
+# block gather): 8 sequences over 600 tokens 0.23x at 2 new tokens, 0.83x at 4, 1.15x
+# at 8, 1.5x at 16; one sequence over 1000 tokens 0.57x, 0.72x, 1.07x, 1.19x. The two
+# break even at about 6.
+NATIVE_MAX_QUERY = 6
 
 
 def native_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
