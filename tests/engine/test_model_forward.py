@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 # Both sides are fp32 over the same weights; only summation order differs. Logits are
 # O(10), so 2e-3 absolute leaves room for that and still catches any real mistake
 # (a wrong position, head or block shifts logits by whole units).
 ATOL = 2e-3
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def kernel_backend(request, monkeypatch):
+    """Every test here runs on both CPU paths: the native C kernels and the torch reference."""
+    monkeypatch.setenv("CHATSVC_KERNEL_BACKEND", request.param)
+    return request.param
+
 
 PROMPTS = [
     "The capital of France is",

@@ -18,6 +18,13 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def kernel_backend(request, monkeypatch):
+    """Every test here runs on both CPU paths: the native C kernels and the torch reference."""
+    monkeypatch.setenv("CHATSVC_KERNEL_BACKEND", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("messages,max_new", CASES)
 def test_greedy_matches_transformers_generate(
     smollm2_fp32, smollm2_hf_fp32, paged_driver, messages, max_new
