@@ -132,6 +132,15 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         engine = build_engine(settings)
         services = Services(settings=settings, store=store, engine=engine, local_tenant=local)
         await engine.start()
+        core = engine.engine
+        log.info(
+            "engine ready: %s, %s, kernels %s, %d KV blocks of %d tokens",
+            core.model_name,
+            core.model.dtype,
+            core.kernel_backend,
+            core.num_gpu_blocks,
+            core.config.block_size,
+        )
         services.engine_started = True
         stack.push_async_callback(engine.stop)
         services.metrics.sample_tiers_with(lambda: tier_usage(engine.cache_stats()))

@@ -36,6 +36,7 @@ from chatsvc.engine.sampling import make_generator, sample
 from chatsvc.engine.scheduler import Scheduler, SchedulerConfig
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
+from kernels.backend import resolve_backend
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class LLMEngine:
             )
         self.loaded = loaded
         self.model = loaded.model
+        # Chosen now, so a CPU engine builds its native kernels (a second or two, on the
+        # first start of a machine) before it reports ready, not in the first request.
+        self.kernel_backend = resolve_backend(None, self.model.device)
         self.tokenizer = loaded.tokenizer
         # Stop ids listed only in generation_config.json (Llama 3's <|eot_id|>) must end a
         # turn for every user of the chat format, not just this engine's stop check.
