@@ -1,6 +1,7 @@
 """Decode-step and prefill time of our forward pass vs transformers' own, same model and input.
 
     .venv/bin/python -m bench.model_step [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
+        [--compare-backends]
 
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
@@ -13,6 +14,7 @@ Figures, not assertions.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ import torch
 
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.loader import LoadedModel, load_model
+from kernels.backend import ENV_VAR
 from kernels.kv_layout import new_kv_pool
 
 BLOCK_SIZE = 16
@@ -70,6 +73,23 @@ def per_layer_metadata(model, fn: Callable[[], object]) -> Callable[[], object]:
             return fn()
         finally:
             del model._step_metadata
+
+    return run
+
+
+def with_backend(backend: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the kernels' default backend set to ``backend`` (kernels.backend)."""
+
+    def run() -> object:
+        previous = os.environ.get(ENV_VAR)
+        os.environ[ENV_VAR] = backend
+        try:
+            return fn()
+        finally:
+            if previous is None:
+                del os.environ[ENV_VAR]
+            else:
+                os.environ[ENV_VAR] = previous
 
     return run
 
@@ -145,6 +165,12 @@ def main() -> None:
         help="comma-separated thread counts: time the prepacked decode at each, interleaved",
     )
     parser.add_argument(
+        "--compare-backends",
+        action="store_true",
+        help="also time the prepacked decode and prefill on the torch kernel path "
+        "(CHATSVC_KERNEL_BACKEND=torch) beside the default (native on CPU)",
+    )
+    parser.add_argument(
         "--compare-metadata",
         action="store_true",
         help="also time the prepacked decode with per-layer kernel metadata (the old path)",
@@ -170,6 +196,8 @@ def main() -> None:
         }
         if args.compare_metadata:
             fns["per-layer-meta"] = per_layer_metadata(packed.model, fns["prepacked"])
+        if args.compare_backends:
+            fns["prepacked-torch-kernels"] = with_backend("torch", fns["prepacked"])
         for n in (int(t) for t in args.thread_sweep.split(",") if t):
             fns[f"threads={n}"] = with_threads(n, fns["prepacked"])
         if hf is not None:
@@ -181,6 +209,8 @@ def main() -> None:
         print(line, flush=True)
     if args.prefill:
         fns = {"prepacked": ours_prefill(packed, args.prefill)}
+        if args.compare_backends:
+            fns["prepacked-torch-kernels"] = with_backend("torch", fns["prepacked"])
         if hf is not None:
             fns["transformers"] = hf_prefill(hf, args.prefill)
         ms = interleaved_medians(fns, max(3, args.steps // 6))

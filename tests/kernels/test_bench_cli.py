@@ -1,10 +1,13 @@
-"""bench/kernels.py without a GPU: says so and exits 0; bad arguments are refused."""
+"""bench/kernels.py without a GPU: says so and exits 0; bad arguments are refused.
+bench/cpu_attention.py: its two timed paths compute the same attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import assert_close
 
+from bench import cpu_attention
 from bench import kernels as bench_kernels
 
 
@@ -33,3 +36,8 @@ def test_memory_estimate_grows_with_the_batch():
 def test_graph_replays_by_default_and_eager_on_request():
     assert bench_kernels.parse_args([]).graphs is True
     assert bench_kernels.parse_args(["--eager"]).graphs is False
+
+
+def test_cpu_attention_bench_times_two_paths_that_agree():
+    fns = cpu_attention.case_fns(q_len=3, context=70, batch=2, dtype=torch.float32)
+    assert_close(fns["native"](), fns["torch"](), torch.float32)

@@ -1,0 +1,93 @@
+"""Paged attention per layer on the CPU: the native C kernel vs the torch reference path.
+
+    .venv/bin/python -m bench.cpu_attention [--dtype bf16|fp32] [--rounds 10]
+
+Each case is a step's attention over a pool shaped like SmolLM2-135M's (30 layers,
+9 query / 3 KV heads of 64, blocks of 16): every call walks all 30 layers, so
+the K/V come from memory as in a forward pass, not from a cache warmed by the
+previous call. The two paths run interleaved, round by round; the medians per
+layer are printed as a markdown table. Figures, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from bench.model_step import interleaved_medians
+from kernels.cpu_attention import paged_attention_native
+from kernels.extend_attention import paged_extend_attention_torch
+from kernels.extend_metadata import extend_metadata
+
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+
+# (label, new tokens per sequence, context per sequence, sequences)
+CASES = [
+    ("decode", 1, 400, 8),
+    ("decode", 1, 1000, 16),
+    ("decode", 1, 1000, 1),
+    ("decode", 1, 4000, 1),
+    ("extend", 2, 600, 8),
+    ("extend", 4, 600, 8),
+    ("extend", 8, 600, 8),
+    ("extend", 16, 600, 8),
+    ("extend", 4, 1000, 1),
+    ("extend", 8, 1000, 1),
+]
+
+
+def case_fns(q_len: int, context: int, batch: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-context // BLOCK)
+    shape = (batch * per_seq + 1, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)
+    pool = torch.randn(shape, generator=gen).to(dtype)
+    # Blocks in shuffled order, as a busy cache hands them out.
+    order = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq)
+    tables = order.to(torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * q_len
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch * q_len, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    row_bytes = KV_HEADS * HEAD_DIM * pool.element_size()
+    groups = extend_metadata(tables, starts, lens, BLOCK, Q_HEADS // KV_HEADS, row_bytes, dtype)
+    seqs = torch.arange(batch, dtype=torch.int32)
+    out = torch.empty_like(query)
+
+    def torch_path() -> torch.Tensor:
+        for layer in range(LAYERS):
+            k, v = pool[:, layer, 0], pool[:, layer, 1]
+            result = paged_extend_attention_torch(query, k, v, tables, starts, lens, scale, groups)
+        return result  # the last layer's, to check the two paths agree
+
+    def native_path() -> torch.Tensor:
+        for layer in range(LAYERS):
+            k, v = pool[:, layer, 0], pool[:, layer, 1]
+            paged_attention_native(query, k, v, tables, starts, lens, scale, seqs, out)
+        return out
+
+    return {"torch": torch_path, "native": native_path}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    print(f"dtype {dtype}, threads {torch.get_num_threads()}, ms per layer (median)\n")
+    print("| step | new tokens | context | sequences | torch | native | native / torch |")
+    print("|---|---|---|---|---|---|---|")
+    for label, q_len, context, batch in CASES:
+        ms = interleaved_medians(case_fns(q_len, context, batch, dtype), args.rounds)
+        torch_ms, native_ms = ms["torch"] / LAYERS, ms["native"] / LAYERS
+        print(
+            f"| {label} | {q_len} | {context} | {batch} | {torch_ms:.3f} | {native_ms:.3f} "
+            f"| {native_ms / torch_ms:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
