@@ -6,10 +6,11 @@
  *
  *   work item = (sequence, tile of up to q_tile new tokens, slice of its blocks)
  *   rows      = the tile's tokens x all query heads
- *   for each block of the slice, up to the tile's last position, and each KV head:
- *       scores = rows of the head's GROUP . K[block, head]^T   (read in place, bf16 -> fp32)
+ *   for each 16-token key tile of the slice, up to the tile's last position, and
+ *   each KV head:
+ *       scores = rows of the head's GROUP . K[keys, head]^T   (read in place, bf16 -> fp32)
  *       online softmax per row (exp2, scale folded into Q), causal per row
- *       acc    = acc * alpha + P . V[block, head]
+ *       acc    = acc * alpha + P . V[keys, head]
  *   out = acc / l   (or, for a sequence split into slices, partial (m, l, acc)
  *                    merged afterwards: flash-decoding, so one long sequence
  *                    still keeps every thread busy)
@@ -78,7 +79,7 @@ static const float EXP2_TAYLOR[8] = {
 
 /* 2^x for x <= 0, written so loops over it vectorise (libm's exp2f does not):
  * x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series to
- * degree 7 (relative error < 1e-8), 2^n from the exponent bits. */
+ * degree 7 (truncation error < 1e-8), 2^n from the exponent bits. */
 static inline float exp2_nonpositive(float x) {
     x = x < -126.0f ? -126.0f : x;
     const float n = __builtin_floorf(x + 0.5f);
