@@ -6,8 +6,8 @@ The native backend (``kernels.backend``) splits a step's sequences:
     new tokens  > NATIVE_MAX_QUERY      -> the torch reference's SDPA groups
 
 Decodes and short new turns are bound by reading K/V, which the torch path
-reads twice (its block gather, then SDPA); long prefill chunks are bound by
-the matrix products, where SDPA's wins. The torch reference
+passes over three times (its block gather reads and writes a copy, SDPA reads
+it); long prefill chunks are bound by the matrix products, where SDPA's win. The torch reference
 (``paged_extend_attention_torch``) is this path's oracle in the tests.
 """
 
@@ -23,10 +23,9 @@ from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
 
 # New tokens per sequence up to which the C kernel runs (see the module docstring), and
-# the kernel's query tile. Per layer, bf16, 2 threads, C / SDPA time (SDPA including its
-# block gather): 8 sequences over 600 tokens 0.23x at 2 new tokens, 0.83x at 4, 1.15x
-# at 8, 1.5x at 16; one sequence over 1000 tokens 0.57x, 0.72x, 1.07x, 1.19x. The two
-# break even at about 6.
+# the kernel's query tile. C / torch time per layer (`python -m bench.cpu_attention`,
+# docs/kernels.md), 8 sequences over 600 tokens: 0.64 at 2 new tokens, 0.80 at 4, 1.25
+# at 8, 1.42 at 16; one sequence over 1000: 0.69 at 4, 0.90 at 8. They break even at ~6.
 NATIVE_MAX_QUERY = 6
 
 
