@@ -3,7 +3,7 @@
 They are compiled on first use with the machine's C compiler (``$CC``, else
 ``gcc``) for this CPU (``-march=native``) and cached as a shared library under
 ``$CHATSVC_DATA_DIR/kernels`` (default ``~/.cache/chatsvc/kernels``, the data
-directory of ``chatsvc.paths``), named by a hash of the source, the flags, the
+directory of ``chatsvc.paths``), named by a hash of the sources, the flags, the
 compiler and the CPU, so an edit or another machine builds afresh. A build
 takes about a second; concurrent builders each write a temporary file and
 rename it into place.
