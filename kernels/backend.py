@@ -43,9 +43,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if choice == "native":
         if device.type != "cpu":
             raise ValueError(f"the native backend runs on the CPU, not {device}")
-        if native.library() is None:
-            reason = native.unavailable_reason()
-            raise ValueError(f"the native CPU kernels are unavailable: {reason}")
+        native.require()
     return choice
 
 

@@ -29,11 +29,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
 typedef struct {
     const void *q;
@@ -54,43 +54,6 @@ typedef struct {
     int32_t key_begin, key_end; /* key positions [begin, end), whole blocks */
     int64_t partial;            /* row offset into the partials, -1: write out directly */
 } Item;
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* Coefficients of 2^f for |f| <= 1/2 (Taylor, degree 7), highest first. */
-static const float EXP2_TAYLOR[8] = {
-    1.5252733804059838e-05f, 1.5403530393381606e-04f, 1.3333558146428441e-03f,
-    9.6181291076284772e-03f, 5.5504108664821576e-02f, 2.4022650695910071e-01f,
-    6.9314718055994531e-01f, 1.0f,
-};
-
-/* 2^x for x <= 0, written so loops over it vectorise (libm's exp2f does not):
- * x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series to
- * degree 7 (truncation error < 1e-8), 2^n from the exponent bits. */
-static inline float exp2_nonpositive(float x) {
-    x = x < -126.0f ? -126.0f : x;
-    const float n = __builtin_floorf(x + 0.5f);
-    const float f = x - n;
-    float p = EXP2_TAYLOR[0];
-    for (int c = 1; c < 8; c++) p = p * f + EXP2_TAYLOR[c];
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* Key tiles are 16 tokens: one fp32 vector of scores per query row. */
 enum { TILE = 16 };
@@ -482,16 +445,8 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     if (num_tiles == 0) return 0;
     /* Split tiles into slices only when there are too few tiles to share out. */
     const int64_t want = num_tiles >= 2 * num_threads ? 1 : (4 * num_threads + num_tiles - 1) / num_tiles;
-    int64_t num_items = 0;
-    for (int32_t s = 0; s < num_seqs; s++) {
-        const int32_t b = seqs[s];
-        const int32_t q_len = query_start[b + 1] - query_start[b];
-        const int32_t blocks = (context_lens[b] + block_size - 1) / block_size;
-        int64_t slices = blocks / MIN_SLICE_BLOCKS;
-        slices = slices < 1 ? 1 : slices > want ? want : slices;
-        num_items += (int64_t)((q_len + q_tile - 1) / q_tile) * slices;
-    }
-    Item *items = malloc(sizeof(Item) * num_items);
+    /* Each tile becomes at most `want` items. */
+    Item *items = malloc(sizeof(Item) * num_tiles * want);
     int32_t *tile_first = malloc(sizeof(int32_t) * (num_tiles + 1));
     if (!items || !tile_first) {
         free(items);
@@ -520,6 +475,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
         }
     }
     tile_first[num_tiles] = (int32_t)n;
+    const int64_t num_items = n;
 
     float *partials = partial_rows ? malloc(sizeof(float) * partial_rows * (head_dim + 2)) : NULL;
     const int64_t rows = (int64_t)q_tile * num_q_heads;

@@ -20,7 +20,7 @@ import torch
 
 from kernels import native
 from kernels.extend_attention import attend_groups
-from kernels.extend_metadata import ExtendMetadata, extend_metadata
+from kernels.extend_metadata import ExtendMetadata, metadata_for
 
 # New tokens per sequence up to which the C kernel runs (see the module docstring), and
 # the kernel's query tile. C / torch time per layer (`python -m bench.cpu_attention`,
@@ -55,9 +55,7 @@ def paged_attention_native(
     ``kernels.native`` (default: ``native.library()``).
     """
     if lib is None:
-        lib = native.library()
-    if lib is None:
-        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+        lib = native.require()
     if not native_supports(query.device, query.dtype, query.shape[-1]):
         raise ValueError(
             f"the native kernel takes CPU fp32/bf16 tensors with head_dim a multiple of 16 "
@@ -122,16 +120,8 @@ def paged_extend_attention_native(
     ``native_max_query=NATIVE_MAX_QUERY``, shared by a step's layers.
     """
     if metadata is None:
-        num_kv_heads = k_cache.shape[2]
-        metadata = extend_metadata(
-            block_tables,
-            query_start_loc,
-            context_lens,
-            k_cache.shape[1],
-            query.shape[1] // num_kv_heads,
-            num_kv_heads * query.shape[2] * k_cache.element_size(),
-            query.dtype,
-            native_max_query=NATIVE_MAX_QUERY,
+        metadata = metadata_for(
+            query, k_cache, block_tables, query_start_loc, context_lens, NATIVE_MAX_QUERY
         )
     out = torch.empty_like(query)
     paged_attention_native(

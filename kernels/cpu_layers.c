@@ -13,39 +13,26 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_value(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "cpu_common.h"
 
 /* Work (elements) from which a call splits its rows across the team: below it the
  * wake-up costs more than the second core gives. */
 enum { PARALLEL_ELEMENTS = 32768 };
 
 static inline float load_value(const void *base, int64_t i, int32_t dtype) {
-    return dtype == 0 ? ((const float *)base)[i] : bf16_value(((const uint16_t *)base)[i]);
+    return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
 }
 
 /* What a bf16 tensor would hold after an op that rounds (fp32: unchanged). */
 static inline float rounded(float x, int32_t dtype) {
-    return dtype == 0 ? x : bf16_value(bf16_round(x));
+    return dtype == DTYPE_F32 ? x : bf16_to_f32(f32_to_bf16(x));
 }
 
 static inline void store_value(void *base, int64_t i, float x, int32_t dtype) {
-    if (dtype == 0)
+    if (dtype == DTYPE_F32)
         ((float *)base)[i] = x;
     else
-        ((uint16_t *)base)[i] = bf16_round(x);
+        ((uint16_t *)base)[i] = f32_to_bf16(x);
 }
 
 /* RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, rounded once (as torch's
@@ -57,7 +44,7 @@ void chatsvc_rms_norm(const void *x, int64_t x_stride, const void *weight, void 
 #pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_ELEMENTS) schedule(static)
     for (int64_t t = 0; t < rows; t++) {
         float sum = 0.0f;
-        if (dtype == 0) {
+        if (dtype == DTYPE_F32) {
             const float *row = (const float *)x + t * x_stride;
             const float *w = (const float *)weight;
             float *dst = (float *)out + t * out_stride;
@@ -71,11 +58,11 @@ void chatsvc_rms_norm(const void *x, int64_t x_stride, const void *weight, void 
             const uint16_t *w = (const uint16_t *)weight;
             uint16_t *dst = (uint16_t *)out + t * out_stride;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < hidden; i++) sum += bf16_value(row[i]) * bf16_value(row[i]);
+            for (int64_t i = 0; i < hidden; i++) sum += bf16_to_f32(row[i]) * bf16_to_f32(row[i]);
             const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
 #pragma omp simd
             for (int64_t i = 0; i < hidden; i++)
-                dst[i] = bf16_round(bf16_value(row[i]) * inv * bf16_value(w[i]));
+                dst[i] = f32_to_bf16(bf16_to_f32(row[i]) * inv * bf16_to_f32(w[i]));
         }
     }
 }
@@ -110,30 +97,12 @@ void chatsvc_rope(void *x, int64_t row_stride, int64_t head_stride, int64_t rows
     for (int64_t t = 0; t < rows; t++) {
         for (int64_t h = 0; h < heads; h++) {
             const int64_t base = t * row_stride + h * head_stride;
-            if (dtype == 0)
+            if (dtype == DTYPE_F32)
                 rope_head(x, base, half, cos, sin, t * head_dim, 0);
             else
                 rope_head(x, base, half, cos, sin, t * head_dim, 1);
         }
     }
-}
-
-/* 2^x for x <= 0 (clamped at -126), vectorisable: x = n + f, |f| <= 1/2, Taylor to degree 7. */
-static inline float exp2_nonpositive(float x) {
-    static const float taylor[8] = {
-        1.5252733804059838e-05f, 1.5403530393381606e-04f, 1.3333558146428441e-03f,
-        9.6181291076284772e-03f, 5.5504108664821576e-02f, 2.4022650695910071e-01f,
-        6.9314718055994531e-01f, 1.0f,
-    };
-    x = x < -126.0f ? -126.0f : x;
-    const float n = __builtin_floorf(x + 0.5f);
-    const float f = x - n;
-    float p = taylor[0];
-    for (int c = 1; c < 8; c++) p = p * f + taylor[c];
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* One row of SwiGLU; `dtype` is a literal at the call sites, so each copy vectorises
@@ -161,7 +130,7 @@ void chatsvc_swiglu(const void *gate_up, int64_t in_stride, void *out, int64_t o
 #pragma omp parallel for num_threads(num_threads) \
     if (rows * inter >= PARALLEL_ELEMENTS) schedule(static)
     for (int64_t t = 0; t < rows; t++) {
-        if (dtype == 0)
+        if (dtype == DTYPE_F32)
             swiglu_row(gate_up, out, t * in_stride, t * out_stride, inter, 0);
         else
             swiglu_row(gate_up, out, t * in_stride, t * out_stride, inter, 1);

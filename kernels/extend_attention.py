@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import dot_dtype, runnable
-from kernels.extend_metadata import ExtendGroup, ExtendMetadata, extend_metadata
+from kernels.extend_metadata import ExtendGroup, ExtendMetadata, metadata_for
 from kernels.paged_gather import gather_tokens
 from kernels.triton_compat import tl, triton
 from kernels.validate import (
@@ -175,20 +175,8 @@ def paged_extend_attention_torch(
     ``metadata`` (built here when None) holds the groups, gather ids and masks, so a
     step's layers share one build.
     """
-    _, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group_size = num_q_heads // num_kv_heads
     if metadata is None:
-        row_bytes = num_kv_heads * head_dim * k_cache.element_size()
-        metadata = extend_metadata(
-            block_tables,
-            query_start_loc,
-            context_lens,
-            k_cache.shape[1],
-            group_size,
-            row_bytes,
-            query.dtype,
-        )
+        metadata = metadata_for(query, k_cache, block_tables, query_start_loc, context_lens)
     out = torch.empty_like(query)
     attend_groups(query, k_cache, v_cache, metadata, scale, out)
     return out

@@ -158,6 +158,28 @@ def extend_metadata(
     )
 
 
+def metadata_for(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    native_max_query: int = 0,
+) -> ExtendMetadata:
+    """``extend_metadata`` with the sizes read off one layer's query and K cache."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return extend_metadata(
+        block_tables,
+        query_start_loc,
+        context_lens,
+        k_cache.shape[1],
+        query.shape[1] // num_kv_heads,
+        num_kv_heads * head_dim * k_cache.element_size(),
+        query.dtype,
+        native_max_query,
+    )
+
+
 def _padded_keys(context_len: int, block_size: int) -> int:
     return -(-context_len // block_size) * block_size
 

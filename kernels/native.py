@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_kv.c", "cpu_layers.c")
 )
+HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # included by the sources: in the key
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
 BASE_FLAGS = [
@@ -89,7 +90,7 @@ def build(compiler: str, flags: list[str]) -> Path:
     cached; its path. Raises RuntimeError (with the compiler's message) when the build fails.
     """
     key = hashlib.sha256()
-    sources = [path.read_bytes() for path in SOURCES]
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     for part in (*sources, " ".join(flags).encode(), _compiler_version(compiler).encode()):
         key.update(part)
         key.update(b"\0")
@@ -181,6 +182,14 @@ def library() -> ctypes.CDLL | None:
             _error = str(exc)
             log.warning("native CPU kernels unavailable, using the torch path: %s", _error)
         return _loaded
+
+
+def require() -> ctypes.CDLL:
+    """``library()``, or ValueError saying why it cannot be built."""
+    lib = library()
+    if lib is None:
+        raise ValueError(f"the native CPU kernels are unavailable: {_error}")
+    return lib
 
 
 def unavailable_reason() -> str | None:

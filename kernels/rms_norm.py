@@ -32,9 +32,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The C loop on rows of ``x`` (``[rows, hidden]``, unit stride along hidden)."""
-    lib = native.library()
-    if lib is None:
-        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    lib = native.require()
     out = torch.empty(x.shape, dtype=x.dtype)
     weight = weight.contiguous()
     lib.chatsvc_rms_norm(

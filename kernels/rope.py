@@ -32,9 +32,7 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
 
 
 def apply_rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    lib = native.library()
-    if lib is None:
-        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    lib = native.require()
     cos, sin = cos.contiguous(), sin.contiguous()
     lib.chatsvc_rope(
         x.data_ptr(),

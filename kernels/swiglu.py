@@ -19,9 +19,7 @@ def swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_native(gate_up: torch.Tensor) -> torch.Tensor:
-    lib = native.library()
-    if lib is None:
-        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    lib = native.require()
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     lib.chatsvc_swiglu(

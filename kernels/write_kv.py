@@ -130,9 +130,7 @@ def write_kv_native(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Row copies in C (``kernels/cpu_kv.c``), in place (inputs already checked)."""
-    lib = native.library()
-    if lib is None:
-        raise ValueError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    lib = native.require()
     if k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must share strides (views of one pool)")
     slots = slot_mapping.to(torch.int64).contiguous()
