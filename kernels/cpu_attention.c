@@ -18,6 +18,9 @@
  * An item takes all KV heads of a block because a block's K (and V) rows hold
  * every head side by side: one item then reads each cache line once.
  *
+ * bf16 caches on CPUs with AVX512-BF16 take a second vector path (dot products of
+ * bf16 pairs, no widening): see `tile_head_bf16`.
+ *
  * Items run in parallel on the caller's OpenMP team (torch's own libgomp,
  * already loaded in the process, so no second team competes for the cores).
  * Sums are fp32; bf16 is widened by a shift and narrowed round-to-nearest-even,
@@ -290,13 +293,194 @@ static inline __attribute__((always_inline)) void tile_head(
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* bf16 caches on CPUs with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 and adds
+ * both products to one fp32 lane, so K and V are used as stored (no widening) and
+ * a key tile needs half the shuffles of the fp32 path:
+ *
+ *   scores: K as dword columns (a dword = dims 2i, 2i+1 of one key; 16x16 dword
+ *           transposes), each row's dword i broadcast: D/2 dot-pair steps per row.
+ *   P.V:    V interleaved by key pairs (unpack of rows t, t+1: dword lane = the
+ *           same dim of both keys), the pair's weights broadcast as one dword.
+ *
+ * The weights are rounded to bf16 for P.V, as the Triton kernels round them for
+ * their dot (kernels/decode_attention.py); l sums the rounded weights, so each
+ * output row stays a convex combination. Keys go 32 per softmax update (two 16-key
+ * tiles), which halves the serial part of a row's update (reductions, alpha) per key.
+ * The unpacks work within 128-bit lanes, so acc holds each 32 dims as two vectors
+ * of dims {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31}; rows are put
+ * back in order when they leave the item (`unpermute_row`). */
+
+static inline __m512i load_bf16x32(const void *base, int64_t offset) {
+    return _mm512_loadu_si512((const uint16_t *)base + offset);
+}
+
+/* Dims of acc slot p (see above). */
+static inline int acc_dim(int p) {
+    const int lane = p % 16;
+    return (p / 32) * 32 + (lane / 4) * 8 + ((p / 16) % 2) * 4 + lane % 4;
+}
+
+static inline void unpermute_row(const float *acc, float *row, const int D) {
+    for (int p = 0; p < D; p++) row[acc_dim(p)] = acc[p];
+}
+
+/* kt[(half * D / 2 + i) * 16 + t] (as dwords) = dims (2i, 2i + 1) of key 16 * half + t;
+ * zeros past n. The same rows of the next step's keys (`ahead`, -1 past the end) are
+ * prefetched between the loads, so their misses overlap this step's work instead of
+ * stalling in one burst. */
+static inline void load_k_pairs(const Args *a, const int64_t *offsets, const int64_t *ahead,
+                                int n, const int D, float *restrict kt) {
+    for (int half = 0; half < 2; half++) {
+        const int64_t *off = offsets + half * TILE, *next = ahead + half * TILE;
+        const int live = n - half * TILE;
+        if (live <= 0) { /* zeros: the scores of missing keys are masked, but stay finite */
+            memset(kt + (int64_t)half * (D / 2) * TILE, 0, sizeof(float) * (D / 2) * TILE);
+            continue;
+        }
+        for (int c = 0; c < D; c += 32) {
+            __m512 r[TILE];
+            for (int t = 0; t < TILE; t++) {
+                if (next[t] >= 0) {
+                    _mm_prefetch((const char *)((const uint16_t *)a->k + next[t] + c), _MM_HINT_T0);
+                    _mm_prefetch((const char *)((const uint16_t *)a->v + next[t] + c), _MM_HINT_T0);
+                }
+                r[t] = t < live ? _mm512_castsi512_ps(load_bf16x32(a->k, off[t] + c))
+                                : _mm512_setzero_ps();
+            }
+            transpose16(r);
+            float *dst = kt + ((int64_t)half * (D / 2) + c / 2) * TILE;
+            for (int j = 0; j < TILE; j++) _mm512_store_ps(dst + j * TILE, r[j]);
+        }
+    }
+}
+
+/* vv[(k * D / 16 + c) * 16 ..] = chunk c of key pair k (keys 2k, 2k + 1) interleaved;
+ * zeros for keys past n. Only the first `pairs` pairs. */
+static inline void load_v_pairs(const Args *a, const int64_t *offsets, int n, int pairs,
+                                const int D, float *restrict vv) {
+    const __m512i zero = _mm512_setzero_si512();
+    for (int k = 0; k < pairs; k++) {
+        const int t = 2 * k;
+        for (int c = 0; c < D; c += 32) {
+            const __m512i x = t < n ? load_bf16x32(a->v, offsets[t] + c) : zero;
+            const __m512i y = t + 1 < n ? load_bf16x32(a->v, offsets[t + 1] + c) : zero;
+            float *dst = vv + ((int64_t)k * (D / 16) + c / 16) * 16;
+            _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(x, y));
+        }
+    }
+}
+
+/* Scores of R rows (bf16, as dwords) against both halves of the dword columns of K:
+ * out[2j + half]. Four chains per row (half x even/odd dims). */
+static inline __attribute__((always_inline)) void scores_rows_bf16(
+    const uint32_t *const *rows, const float *kt, const int D, const int R, __m512 *out) {
+    __m512 even[2][4], odd[2][4];
+    for (int half = 0; half < 2; half++)
+        for (int j = 0; j < R; j++) even[half][j] = odd[half][j] = _mm512_setzero_ps();
+    for (int i = 0; i < D / 2; i += 2) {
+        for (int half = 0; half < 2; half++) {
+            const float *col = kt + ((int64_t)half * (D / 2) + i) * TILE;
+            const __m512bh k0 = (__m512bh)_mm512_load_si512(col);
+            const __m512bh k1 = (__m512bh)_mm512_load_si512(col + TILE);
+            for (int j = 0; j < R; j++) {
+                even[half][j] = _mm512_dpbf16_ps(
+                    even[half][j], (__m512bh)_mm512_set1_epi32(rows[j][i]), k0);
+                odd[half][j] = _mm512_dpbf16_ps(
+                    odd[half][j], (__m512bh)_mm512_set1_epi32(rows[j][i + 1]), k1);
+            }
+        }
+    }
+    for (int j = 0; j < R; j++)
+        for (int half = 0; half < 2; half++)
+            out[2 * j + half] = _mm512_add_ps(even[half][j], odd[half][j]);
+}
+
+/* acc = acc * alpha + sum over key pairs of (p[2k], p[2k+1]) . V pair k. */
+static inline __attribute__((always_inline)) void accumulate_row_bf16(
+    float *acc, float alpha, __m512i p_bf16, int pairs, const float *vv, const int D) {
+    __m512 x[D / 16];
+    for (int c = 0; c < D / 16; c++)
+        x[c] = _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(alpha));
+    for (int k = 0; k < pairs; k++) {
+        const __m512bh w = (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(k), p_bf16);
+        for (int c = 0; c < D / 16; c++)
+            x[c] = _mm512_dpbf16_ps(
+                x[c], w, (__m512bh)_mm512_load_si512(vv + ((int64_t)k * (D / 16) + c) * 16));
+    }
+    for (int c = 0; c < D / 16; c++) _mm512_store_ps(acc + 16 * c, x[c]);
+}
+
+/* One step of up to 2 x 16 keys of one KV head against the rows of that head (bf16,
+ * AVX512-BF16). */
+static inline __attribute__((always_inline)) void tile_head_bf16(
+    const Args *a, const int64_t *offsets, const int64_t *ahead, int n, const int D,
+    const uint16_t *q, float *acc, float *m, float *l, float *kt, float *vv, int32_t prefix,
+    int32_t first, int q_begin, int q_end, int h) {
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    const __m512 scale = _mm512_set1_ps(a->scale_log2);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    /* The last row sees the most keys of the step. */
+    int most = prefix + (q_end - 1) - first + 1;
+    most = most > n ? n : most;
+    load_k_pairs(a, offsets, ahead, n, D, kt);
+    load_v_pairs(a, offsets, n, (most + 1) / 2, D, vv);
+    for (int i = q_begin; i < q_end; i++) {
+        int seen = prefix + i - first + 1;
+        if (seen <= 0) continue;
+        seen = seen > n ? n : seen;
+        const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
+        const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
+        const int first_row = (i - q_begin) * Hq + h * G;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int R = G - g0 < 4 ? G - g0 : 4;
+            const uint32_t *rows[4];
+            __m512 scores[8];
+            for (int j = 0; j < R; j++)
+                rows[j] = (const uint32_t *)(q + (int64_t)(first_row + g0 + j) * D);
+            switch (R) { /* literal row counts: the row loops unroll into registers */
+                case 1: scores_rows_bf16(rows, kt, D, 1, scores); break;
+                case 2: scores_rows_bf16(rows, kt, D, 2, scores); break;
+                case 3: scores_rows_bf16(rows, kt, D, 3, scores); break;
+                default: scores_rows_bf16(rows, kt, D, 4, scores); break;
+            }
+            for (int j = 0; j < R; j++) {
+                const int r = first_row + g0 + j;
+                const __m512 s0 =
+                    _mm512_mask_mov_ps(minus_inf, live0, _mm512_mul_ps(scores[2 * j], scale));
+                const __m512 s1 =
+                    _mm512_mask_mov_ps(minus_inf, live1, _mm512_mul_ps(scores[2 * j + 1], scale));
+                const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+                const float top = step_top > m[r] ? step_top : m[r];
+                const __m512 t = _mm512_set1_ps(top);
+                const __m512 p0 =
+                    _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
+                const __m512 p1 =
+                    _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+                const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* keys 0..31 */
+                /* The weights P.V will use, widened back for their sum. */
+                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16));
+                const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
+                float alpha;
+                update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)),
+                           &alpha);
+                accumulate_row_bf16(acc + (int64_t)r * D, alpha, p, (seen + 1) / 2, vv, D);
+            }
+        }
+    }
+}
+#endif
+
 /* One work item. `D` is a literal at the call sites below, so each head size
  * gets its own fully unrolled copy. Row r = token (i - q_begin) * H_q + query head.
  * Scratch (floats, 64-byte aligned pieces as D is a multiple of 16):
  * q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D] m[rows] l[rows]. */
 static inline __attribute__((always_inline)) void attend(const Args *a, const Item *it,
                                                          float *scratch, float *partials,
-                                                         const int D) {
+                                                         const int D, const int dot_pairs) {
     const int Hq = a->num_q_heads, bs = a->block_size;
     const int32_t start = a->query_start[it->seq];
     const int32_t q_len = a->query_start[it->seq + 1] - start;
@@ -309,14 +493,18 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
     float *v_tile = kt + (int64_t)TILE * D;
     float *m = v_tile + (int64_t)TILE * D;
     float *l = m + rows;
-    int64_t offsets[TILE];
+    int64_t offsets[2 * TILE], next[2 * TILE];
 
     for (int r = 0; r < rows; r++) {
         const int i = it->q_begin + r / Hq, head = r % Hq;
         const int64_t offset = (int64_t)(start + i) * a->q_stride_t + (int64_t)head * a->q_stride_h;
-        const float *src = row_f32(a->q, offset, D, a->dtype, q + (int64_t)r * D);
+        if (dot_pairs) { /* bf16 as given; the scale applies to the scores */
+            memcpy((uint16_t *)q + (int64_t)r * D, (const uint16_t *)a->q + offset, 2 * D);
+        } else {
+            const float *src = row_f32(a->q, offset, D, a->dtype, q + (int64_t)r * D);
 #pragma omp simd
-        for (int d = 0; d < D; d++) q[(int64_t)r * D + d] = src[d] * a->scale_log2;
+            for (int d = 0; d < D; d++) q[(int64_t)r * D + d] = src[d] * a->scale_log2;
+        }
         m[r] = -INFINITY;
         l[r] = 0.0f;
 #pragma omp simd
@@ -327,10 +515,11 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
     const int32_t last = prefix + it->q_end - 1;
     const int32_t stop = last + 1 < it->key_end ? last + 1 : it->key_end;
     const int32_t *table = a->block_tables + (int64_t)it->seq * a->table_stride;
-    for (int32_t first = it->key_begin; first < stop; first += TILE) {
-        const int n = stop - first < TILE ? stop - first : TILE;
+    const int step = dot_pairs ? 2 * TILE : TILE;
+    for (int32_t first = it->key_begin; first < stop; first += step) {
+        const int n = stop - first < step ? stop - first : step;
         const int32_t ahead = first + (bs > TILE ? bs : TILE);
-        if (ahead < stop && (first & (bs - 1)) == 0)
+        if (!dot_pairs && ahead < stop && (first & (bs - 1)) == 0)
             prefetch_block(a, (int64_t)table[ahead / bs] * a->kv_stride_block);
         for (int h = 0; h < a->num_kv_heads; h++) {
             for (int t = 0; t < n; t++) {
@@ -339,13 +528,34 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
                              (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
                              (int64_t)h * a->kv_stride_head;
             }
+#if defined(__AVX512BF16__)
+            if (dot_pairs) {
+                for (int t = 0; t < 2 * TILE; t++) {
+                    const int32_t pos = first + step + t;
+                    next[t] = pos >= stop ? -1
+                                          : (int64_t)table[pos / bs] * a->kv_stride_block +
+                                                (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
+                                                (int64_t)h * a->kv_stride_head;
+                }
+                tile_head_bf16(a, offsets, next, n, D, (const uint16_t *)q, acc, m, l, kt, v_tile,
+                               prefix, first, it->q_begin, it->q_end, h);
+                continue;
+            }
+#endif
             tile_head(a, offsets, n, D, q, acc, m, l, kt, v_tile, prefix, first, it->q_begin,
                       it->q_end, h);
         }
     }
 
+    float ordered[D];
     for (int r = 0; r < rows; r++) {
         const float *ar = acc + (int64_t)r * D;
+#if defined(__AVX512BF16__)
+        if (dot_pairs) {
+            unpermute_row(ar, ordered, D);
+            ar = ordered;
+        }
+#endif
         if (it->partial >= 0) {
             float *dst = partials + (it->partial + r) * (D + 2);
             dst[0] = m[r];
@@ -371,10 +581,20 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
 
 static void attend_any(const Args *a, const Item *it, float *scratch, float *partials,
                        int head_dim) {
+#if defined(__AVX512BF16__)
+    if (a->dtype == DTYPE_BF16 && head_dim % 32 == 0) {
+        switch (head_dim) {
+            case 64: attend(a, it, scratch, partials, 64, 1); break;
+            case 128: attend(a, it, scratch, partials, 128, 1); break;
+            default: attend(a, it, scratch, partials, head_dim, 1); break;
+        }
+        return;
+    }
+#endif
     switch (head_dim) {
-        case 64: attend(a, it, scratch, partials, 64); break;
-        case 128: attend(a, it, scratch, partials, 128); break;
-        default: attend(a, it, scratch, partials, head_dim); break;
+        case 64: attend(a, it, scratch, partials, 64, 0); break;
+        case 128: attend(a, it, scratch, partials, 128, 0); break;
+        default: attend(a, it, scratch, partials, head_dim, 0); break;
     }
 }
 
