@@ -1,12 +1,17 @@
 """Paged attention per layer on the CPU: the native C kernel vs the torch reference path.
 
     .venv/bin/python -m bench.cpu_attention [--dtype bf16|fp32] [--rounds 10]
+        [--baseline-flags "-mno-avx512bf16"]
 
 Each case is a step's attention over a pool shaped like SmolLM2-135M's (30 layers,
 9 query / 3 KV heads of 64, blocks of 16): every call walks all 30 layers, so
 the K/V come from memory as in a forward pass, not from a cache warmed by the
 previous call. The two paths run interleaved, round by round; the medians per
 layer are printed as a markdown table. Figures, not assertions.
+
+``--baseline-flags`` adds a column: the native kernel built with those extra compiler
+flags (e.g. ``-mno-avx512bf16``: the path of CPUs without AVX512-BF16), run in the
+same rounds, so a kernel change is measured against what it replaces.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import torch
 
 from bench.model_step import interleaved_medians
+from kernels import native
 from kernels.cpu_attention import paged_attention_native
 from kernels.extend_attention import paged_extend_attention_torch
 from kernels.extend_metadata import extend_metadata
@@ -38,7 +44,8 @@ CASES = [
 ]
 
 
-def case_fns(q_len: int, context: int, batch: int, dtype: torch.dtype):
+def case_fns(q_len: int, context: int, batch: int, dtype: torch.dtype, baseline=None):
+    """The paths of one case by name; ``baseline``: a second native library, if any."""
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
     shape = (batch * per_seq + 1, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)
@@ -61,32 +68,52 @@ def case_fns(q_len: int, context: int, batch: int, dtype: torch.dtype):
             result = paged_extend_attention_torch(query, k, v, tables, starts, lens, scale, groups)
         return result  # the last layer's, to check the two paths agree
 
-    def native_path() -> torch.Tensor:
-        for layer in range(LAYERS):
-            k, v = pool[:, layer, 0], pool[:, layer, 1]
-            paged_attention_native(query, k, v, tables, starts, lens, scale, seqs, out)
-        return out
+    def native_path(lib=None):
+        def run() -> torch.Tensor:
+            for layer in range(LAYERS):
+                k, v = pool[:, layer, 0], pool[:, layer, 1]
+                paged_attention_native(query, k, v, tables, starts, lens, scale, seqs, out, lib)
+            return out
 
-    return {"torch": torch_path, "native": native_path}
+        return run
+
+    paths = {"torch": torch_path, "native": native_path()}
+    if baseline is not None:
+        paths["baseline"] = native_path(baseline)
+    return paths
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--baseline-flags",
+        default="",
+        help="extra compiler flags of a second native build to compare (space-separated)",
+    )
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    baseline = None
+    head = "| step | new tokens | context | sequences | torch | native | native / torch |"
+    if args.baseline_flags:
+        flags = [*native.default_flags(), *args.baseline_flags.split()]
+        baseline = native.load(native.build(native.default_compiler(), flags))
+        head += f" native {args.baseline_flags} | native / that |"
     print(f"dtype {dtype}, threads {torch.get_num_threads()}, ms per layer (median)\n")
-    print("| step | new tokens | context | sequences | torch | native | native / torch |")
-    print("|---|---|---|---|---|---|---|")
+    print(head)
+    print("|---" * head.count(" |") + "|")
     for label, q_len, context, batch in CASES:
-        ms = interleaved_medians(case_fns(q_len, context, batch, dtype), args.rounds)
+        ms = interleaved_medians(case_fns(q_len, context, batch, dtype, baseline), args.rounds)
         torch_ms, native_ms = ms["torch"] / LAYERS, ms["native"] / LAYERS
-        print(
+        row = (
             f"| {label} | {q_len} | {context} | {batch} | {torch_ms:.3f} | {native_ms:.3f} "
-            f"| {native_ms / torch_ms:.2f} |",
-            flush=True,
+            f"| {native_ms / torch_ms:.2f} |"
         )
+        if baseline is not None:
+            base_ms = ms["baseline"] / LAYERS
+            row += f" {base_ms:.3f} | {native_ms / base_ms:.2f} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ def default_flags() -> list[str]:
     return list(BASE_FLAGS)
 
 
+def default_compiler() -> str:
+    """The compiler ``library()`` builds with: ``$CC``, else gcc."""
+    return os.environ.get("CC") or "gcc"
+
+
 def _cpu_signature() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -173,7 +178,7 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if _loaded is not None or _error is not None:
             return _loaded
-        compiler = os.environ.get("CC") or "gcc"
+        compiler = default_compiler()
         try:
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C compiler {compiler!r} on PATH")

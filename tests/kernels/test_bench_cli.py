@@ -1,5 +1,5 @@
 """bench/kernels.py without a GPU: says so and exits 0; bad arguments are refused.
-bench/cpu_attention.py: its two timed paths compute the same attention."""
+bench/cpu_attention.py: its timed paths compute the same attention."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from kernel_cases import assert_close
 
 from bench import cpu_attention
 from bench import kernels as bench_kernels
+from kernels import native
 
 
 def test_without_cuda_it_reports_and_exits_zero(monkeypatch, capsys):
@@ -41,3 +42,11 @@ def test_graph_replays_by_default_and_eager_on_request():
 def test_cpu_attention_bench_times_two_paths_that_agree():
     fns = cpu_attention.case_fns(q_len=3, context=70, batch=2, dtype=torch.float32)
     assert_close(fns["native"](), fns["torch"](), torch.float32)
+
+
+def test_cpu_attention_bench_baseline_is_a_second_build_that_agrees(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    baseline = native.load(native.build("gcc", [*native.default_flags(), "-O1"]))
+    fns = cpu_attention.case_fns(3, 70, 2, torch.bfloat16, baseline)
+    assert set(fns) == {"torch", "native", "baseline"}
+    assert_close(fns["baseline"]().clone(), fns["native"](), torch.bfloat16)
