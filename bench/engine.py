@@ -1,7 +1,7 @@
 """Engine benchmark: concurrent multi-turn conversations with a shared system prompt.
 
     .venv/bin/python -m bench.engine [--conversations 16] [--turns 6] [--max-tokens 128]
-        [--system-repeat 15] [--max-defer-steps 4]
+        [--system-repeat 15] [--max-defer-steps 4] [--think-time 0]
 
 Defaults are a typical chat: a ~500-token shared system prompt and answers of up to
 128 tokens, so by turn 3 a prompt holds ~1,000 tokens of history.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import time
 
@@ -59,7 +60,12 @@ async def conversation(engine, conv: int, args, tracker, rows) -> None:
     namespace = Namespace(tenant_salt=b"bench", shared_prefix_len=len(system), label="bench")
     history = list(system)
     end_turn = fmt.tokenize("<|im_end|>\n")
+    # The user reads the answer and types the next question: the same pauses in the
+    # cache-on and cache-off runs (seeded per conversation).
+    pauses = random.Random(conv)
     for turn in range(turns):
+        if turn and args.think_time:
+            await asyncio.sleep(pauses.uniform(0, args.think_time))
         question = f"Tell me fact {turn + 1} about {TOPICS[conv % len(TOPICS)]} (trip {conv})."
         prompt = history + fmt.tokenize(
             f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
@@ -142,6 +148,12 @@ def main() -> None:
         default=15,
         help="sentences in the shared system prompt (~33 tokens each)",
     )
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="a user pauses uniform 0..S seconds before each later turn (0: no pause)",
+    )
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--batch-tokens", type=int, default=512)
     parser.add_argument(
@@ -156,7 +168,7 @@ def main() -> None:
     print(
         f"model={on['model']} conversations={args.conversations} "
         f"turns={args.turns} max_tokens={args.max_tokens} max_defer_steps={args.max_defer_steps} "
-        f"system_repeat={args.system_repeat}"
+        f"system_repeat={args.system_repeat} think_time={args.think_time}"
     )
     print("turn  ttft_cache_ms  ttft_nocache_ms  speedup")
     for t in range(args.turns):
