@@ -37,6 +37,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 typedef struct {
     const void *q;
@@ -474,13 +478,139 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define CHATSVC_AMX 1
+/* Runs of several new tokens on CPUs with AMX. One tile instruction multiplies
+ * 16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 fp32, so the rows of one KV head (its
+ * query heads x the tile's new tokens, up to 16) get their scores and P.V from the
+ * tile unit and only the softmax runs in vector code. K and V come in the bf16
+ * path's layouts, which are the tile unit's B operands as they are (kt: dword
+ * columns for Q.K^T; vv: key pairs for P.V), so acc keeps that path's dim order.
+ * A decode has G rows per head (3 for SmolLM2): it stays on the vector path, which
+ * wastes no tile rows. */
+
+enum { AMX_ROWS = 16, AMX_MIN_ROWS = 6 };
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_permission; /* 0: not asked yet, 1: granted, -1: refused */
+
+/* Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA, once per process; torch's oneDNN asks too). */
+static int amx_usable(void) {
+    if (amx_permission == 0)
+        amx_permission = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_permission > 0;
+}
+
+/* Every tile 16 rows x 64 bytes; per thread, before its first tile instruction. */
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = AMX_ROWS;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Floats of a thread's tile scratch: per KV head its rows packed [16][D] (bf16),
+ * scores [16][32], weights [16][32] (bf16), P.V [16][D], alpha [16]. */
+static int64_t amx_scratch_floats(int64_t num_kv_heads, int64_t head_dim) {
+    return num_kv_heads * AMX_ROWS * head_dim / 2 + AMX_ROWS * 32 + AMX_ROWS * 16 +
+           AMX_ROWS * head_dim + AMX_ROWS;
+}
+
+/* One step of up to 32 keys of one KV head against its `nrows` packed rows `qh`
+ * (row j = token q_begin + j / G, query head h * G + j % G). */
+static inline __attribute__((always_inline)) void tile_head_amx(
+    const Args *a, const int64_t *offsets, const int64_t *ahead, int n, const int D,
+    const uint16_t *qh, int nrows, float *acc, float *m, float *l, float *kt, float *vv,
+    float *tiles, int32_t prefix, int32_t first, int q_begin, int h) {
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    float *scores = tiles, *out = scores + AMX_ROWS * 32 + AMX_ROWS * 16;
+    uint16_t *weights = (uint16_t *)(scores + AMX_ROWS * 32);
+    float *alphas = out + AMX_ROWS * D;
+    const __m512 scale = _mm512_set1_ps(a->scale_log2);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    int most = prefix + q_begin + (nrows - 1) / G - first + 1;
+    most = most > n ? n : most;
+    load_k_pairs(a, offsets, ahead, n, D, kt);
+    load_v_pairs(a, offsets, n, (most + 1) / 2, D, vv);
+
+    /* S = Q K^T, keys 0-15 in tile 0 and 16-31 in tile 1. */
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int c = 0; c < D; c += 32) {
+        _tile_loadd(2, qh + c, D * 2);
+        _tile_loadd(4, kt + (c / 2) * TILE, TILE * 4);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_loadd(5, kt + (D / 2 + c / 2) * TILE, TILE * 4);
+        _tile_dpbf16ps(1, 2, 5);
+    }
+    _tile_stored(0, scores, 32 * 4);
+    _tile_stored(1, scores + TILE, 32 * 4);
+
+    for (int j = 0; j < nrows; j++) {
+        const int token = q_begin + j / G, r = (j / G) * Hq + h * G + j % G;
+        int seen = prefix + token - first + 1;
+        if (seen <= 0) { /* every key of the step lies after this row's token */
+            memset(weights + j * 32, 0, 64);
+            alphas[j] = 1.0f;
+            continue;
+        }
+        seen = seen > n ? n : seen;
+        const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
+        const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
+        const __m512 s0 = _mm512_mask_mov_ps(
+            minus_inf, live0, _mm512_mul_ps(_mm512_load_ps(scores + j * 32), scale));
+        const __m512 s1 = _mm512_mask_mov_ps(
+            minus_inf, live1, _mm512_mul_ps(_mm512_load_ps(scores + j * 32 + 16), scale));
+        const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        const float top = step_top > m[r] ? step_top : m[r];
+        const __m512 t = _mm512_set1_ps(top);
+        const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
+        const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+        const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        _mm512_store_si512(weights + j * 32, p);
+        const __m512 lo = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16));
+        const __m512 hi = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
+        update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)), &alphas[j]);
+    }
+
+    /* P.V per 16 dims (in acc's order), then acc = acc * alpha + P.V per row. */
+    _tile_loadd(2, weights, 64);
+    for (int c = 0; c < D / 16; c++) {
+        _tile_zero(6);
+        _tile_loadd(4, vv + c * 16, D * 4);
+        _tile_dpbf16ps(6, 2, 4);
+        _tile_stored(6, out + c * 16, D * 4);
+    }
+    for (int j = 0; j < nrows; j++) {
+        float *ar = acc + (int64_t)((j / G) * Hq + h * G + j % G) * D;
+        const __m512 alpha = _mm512_set1_ps(alphas[j]);
+        for (int c = 0; c < D; c += 16)
+            _mm512_store_ps(ar + c, _mm512_fmadd_ps(_mm512_load_ps(ar + c), alpha,
+                                                    _mm512_load_ps(out + j * D + c)));
+    }
+}
+#endif
+
 /* One work item. `D` is a literal at the call sites below, so each head size
  * gets its own fully unrolled copy. Row r = token (i - q_begin) * H_q + query head.
  * Scratch (floats, 64-byte aligned pieces as D is a multiple of 16):
  * q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D] m[rows] l[rows]. */
 static inline __attribute__((always_inline)) void attend(const Args *a, const Item *it,
                                                          float *scratch, float *partials,
-                                                         const int D, const int dot_pairs) {
+                                                         float *amx, const int D,
+                                                         const int dot_pairs) {
     const int Hq = a->num_q_heads, bs = a->block_size;
     const int32_t start = a->query_start[it->seq];
     const int32_t q_len = a->query_start[it->seq + 1] - start;
@@ -511,6 +641,24 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
         for (int d = 0; d < D; d++) acc[(int64_t)r * D + d] = 0.0f;
     }
 
+#if defined(CHATSVC_AMX)
+    /* The tile unit takes the item when each KV head has enough rows to fill a tile. */
+    const int G = Hq / a->num_kv_heads, nrows = (it->q_end - it->q_begin) * G;
+    const int use_amx = dot_pairs && amx && nrows >= AMX_MIN_ROWS && nrows <= AMX_ROWS;
+    uint16_t *qh = (uint16_t *)amx;
+    float *tiles = amx + (int64_t)a->num_kv_heads * AMX_ROWS * D / 2;
+    if (use_amx) {
+        /* Zeros: the unused tile rows, and V pairs no step has loaded yet (weight 0
+         * times whatever is there must stay 0). */
+        memset(amx, 0, sizeof(float) * amx_scratch_floats(a->num_kv_heads, D));
+        memset(v_tile, 0, sizeof(float) * TILE * D);
+        for (int h = 0; h < a->num_kv_heads; h++)
+            for (int j = 0; j < nrows; j++)
+                memcpy(qh + ((int64_t)h * AMX_ROWS + j) * D,
+                       (const uint16_t *)q + (int64_t)((j / G) * Hq + h * G + j % G) * D, 2 * D);
+    }
+#endif
+
     /* The tile's last row sees keys [0, last]; earlier rows stop sooner (causal). */
     const int32_t last = prefix + it->q_end - 1;
     const int32_t stop = last + 1 < it->key_end ? last + 1 : it->key_end;
@@ -537,6 +685,13 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
                                                 (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
                                                 (int64_t)h * a->kv_stride_head;
                 }
+#if defined(CHATSVC_AMX)
+                if (use_amx) {
+                    tile_head_amx(a, offsets, next, n, D, qh + (int64_t)h * AMX_ROWS * D, nrows,
+                                  acc, m, l, kt, v_tile, tiles, prefix, first, it->q_begin, h);
+                    continue;
+                }
+#endif
                 tile_head_bf16(a, offsets, next, n, D, (const uint16_t *)q, acc, m, l, kt, v_tile,
                                prefix, first, it->q_begin, it->q_end, h);
                 continue;
@@ -580,21 +735,21 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
 }
 
 static void attend_any(const Args *a, const Item *it, float *scratch, float *partials,
-                       int head_dim) {
+                       float *amx, int head_dim) {
 #if defined(__AVX512BF16__)
     if (a->dtype == DTYPE_BF16 && head_dim % 32 == 0) {
         switch (head_dim) {
-            case 64: attend(a, it, scratch, partials, 64, 1); break;
-            case 128: attend(a, it, scratch, partials, 128, 1); break;
-            default: attend(a, it, scratch, partials, head_dim, 1); break;
+            case 64: attend(a, it, scratch, partials, amx, 64, 1); break;
+            case 128: attend(a, it, scratch, partials, amx, 128, 1); break;
+            default: attend(a, it, scratch, partials, amx, head_dim, 1); break;
         }
         return;
     }
 #endif
     switch (head_dim) {
-        case 64: attend(a, it, scratch, partials, 64, 0); break;
-        case 128: attend(a, it, scratch, partials, 128, 0); break;
-        default: attend(a, it, scratch, partials, head_dim, 0); break;
+        case 64: attend(a, it, scratch, partials, NULL, 64, 0); break;
+        case 128: attend(a, it, scratch, partials, NULL, 128, 0); break;
+        default: attend(a, it, scratch, partials, NULL, head_dim, 0); break;
     }
 }
 
@@ -653,6 +808,15 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                             int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                             int32_t q_tile, float scale_log2, int32_t dtype,
                             int32_t num_threads) {
+    int amx_on = 0;
+#if defined(CHATSVC_AMX)
+    if (dtype == DTYPE_BF16 && head_dim % 32 == 0 && amx_usable()) {
+        /* A tile holds 16 rows per KV head: the tile's new tokens x G. */
+        const int32_t fits = AMX_ROWS / (num_q_heads / num_kv_heads);
+        amx_on = fits >= 1;
+        if (amx_on && q_tile > fits) q_tile = fits;
+    }
+#endif
     const Args a = {q, q_stride_t, q_stride_h, k, v, kv_stride_block, kv_stride_slot,
                     kv_stride_head, out, out_stride_t, out_stride_h, block_tables, table_stride,
                     query_start, context_lens, num_q_heads, num_kv_heads, block_size, q_tile,
@@ -705,7 +869,15 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = aligned_alloc(64, scratch_bytes);
-        if (!scratch) {
+        float *amx = NULL;
+#if defined(CHATSVC_AMX)
+        if (amx_on) {
+            const int64_t bytes = amx_scratch_floats(num_kv_heads, head_dim) * 4;
+            amx = aligned_alloc(64, ((bytes + 63) / 64) * 64);
+            if (amx) amx_configure();
+        }
+#endif
+        if (!scratch || (amx_on && !amx)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -713,7 +885,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
         if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < num_items; i++)
-                attend_any(&a, &items[i], scratch, partials, head_dim);
+                attend_any(&a, &items[i], scratch, partials, amx, head_dim);
             if (partial_rows) {
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t t = 0; t < num_tiles; t++) {
@@ -722,10 +894,25 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                 }
             }
         }
+#if defined(CHATSVC_AMX)
+        if (amx) _tile_release();
+#endif
+        free(amx);
         free(scratch);
     }
     free(partials);
     free(tile_first);
     free(items);
     return failed ? -1 : 0;
+}
+
+/* 1 when runs of new tokens in bf16 (head size a multiple of 32) go through the tile
+ * unit, 0 when they take the vector loops: the Python side routes longer runs here
+ * in the first case (kernels/cpu_attention.py: native_max_query). */
+int chatsvc_attention_uses_tiles(void) {
+#if defined(CHATSVC_AMX)
+    return amx_usable();
+#else
+    return 0;
+#endif
 }

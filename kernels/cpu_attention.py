@@ -2,12 +2,14 @@
 
 The native backend (``kernels.backend``) splits a step's sequences:
 
-    new tokens  1 .. NATIVE_MAX_QUERY   -> the C kernel, blocks read in place
-    new tokens  > NATIVE_MAX_QUERY      -> the torch reference's SDPA groups
+    new tokens  1 .. native_max_query()  -> the C kernel, blocks read in place
+    new tokens  > native_max_query()     -> the torch reference's SDPA groups
 
 Decodes and short new turns are bound by reading K/V, which the torch path
 passes over three times (its block gather reads and writes a copy, SDPA reads
-it); long prefill chunks are bound by the matrix products, where SDPA's win. The torch reference
+it); long prefill chunks are bound by the matrix products, where SDPA's win. Where
+the C kernel runs bf16 runs on the CPU's tile unit (AMX) it wins up to ~32 new
+tokens; on vector loops alone up to ~6. The torch reference
 (``paged_extend_attention_torch``) is this path's oracle in the tests.
 """
 
@@ -22,11 +24,16 @@ from kernels import native
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, metadata_for
 
-# New tokens per sequence up to which the C kernel runs (see the module docstring), and
-# the kernel's query tile. C / torch time per layer (`python -m bench.cpu_attention`,
-# docs/kernels.md), 8 sequences over 600 tokens: 0.64 at 2 new tokens, 0.80 at 4, 1.25
-# at 8, 1.42 at 16; one sequence over 1000: 0.69 at 4, 0.90 at 8. They break even at ~6.
+# New tokens per sequence up to which the C kernel runs (see the module docstring).
+# C / torch time per layer (`python -m bench.cpu_attention`, docs/kernels.md), vector
+# loops, 8 sequences over 600 tokens: 0.64 at 2 new tokens, 0.80 at 4, 1.25 at 8, 1.42 at
+# 16; one sequence over 1000: 0.69 at 4, 0.90 at 8. They break even at ~6. With the tile
+# unit (bf16): 0.86 at 32 new tokens x 8 over 600, 0.93 at 32 and 0.94 at 48 over 1000,
+# 1.06 at 48 x 4 over 300: ~32.
 NATIVE_MAX_QUERY = 6
+NATIVE_MAX_QUERY_TILES = 32
+# The kernel's query tile on its vector loops (the tile path takes 16 // G tokens).
+NATIVE_Q_TILE = 6
 
 
 def native_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -34,6 +41,15 @@ def native_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     that is a multiple of 16 (its vector width) up to 256."""
     supported = dtype in native.DTYPE_CODES and head_dim % 16 == 0 and head_dim <= 256
     return device.type == "cpu" and supported
+
+
+def native_max_query(dtype: torch.dtype, head_dim: int, lib: ctypes.CDLL | None = None) -> int:
+    """New tokens per sequence up to which the native backend runs the C kernel."""
+    lib = lib if lib is not None else native.library()
+    tiles = lib is not None and dtype == torch.bfloat16 and head_dim % 32 == 0
+    if tiles and lib.chatsvc_attention_uses_tiles():
+        return NATIVE_MAX_QUERY_TILES
+    return NATIVE_MAX_QUERY
 
 
 def paged_attention_native(
@@ -95,7 +111,7 @@ def paged_attention_native(
         num_kv_heads,
         head_dim,
         block_size,
-        NATIVE_MAX_QUERY,
+        NATIVE_Q_TILE,
         scale * math.log2(math.e),
         native.DTYPE_CODES[query.dtype],
         torch.get_num_threads(),
@@ -117,12 +133,11 @@ def paged_extend_attention_native(
     """Short runs through the C kernel, long ones through the torch groups.
 
     ``metadata`` (built here when None) is ``extend_metadata`` with
-    ``native_max_query=NATIVE_MAX_QUERY``, shared by a step's layers.
+    ``native_max_query=native_max_query(...)``, shared by a step's layers.
     """
     if metadata is None:
-        metadata = metadata_for(
-            query, k_cache, block_tables, query_start_loc, context_lens, NATIVE_MAX_QUERY
-        )
+        limit = native_max_query(query.dtype, query.shape[-1])
+        metadata = metadata_for(query, k_cache, block_tables, query_start_loc, context_lens, limit)
     out = torch.empty_like(query)
     paged_attention_native(
         query,

@@ -143,6 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, i32, i32, i32,  # num_q_heads, num_kv_heads, head_dim, block_size
         i32, ctypes.c_float, i32, i32,  # q_tile, scale * log2(e), dtype, num_threads
     ]  # fmt: skip
+    lib.chatsvc_attention_uses_tiles.restype = ctypes.c_int
+    lib.chatsvc_attention_uses_tiles.argtypes = []
     norm = lib.chatsvc_rms_norm
     norm.restype = None
     norm.argtypes = [

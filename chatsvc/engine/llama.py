@@ -34,7 +34,7 @@ from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
 from kernels import step_metadata
 from kernels.backend import resolve_backend
-from kernels.cpu_attention import NATIVE_MAX_QUERY, native_supports
+from kernels.cpu_attention import native_max_query, native_supports
 from kernels.extend_metadata import extend_metadata
 from kernels.kv_layout import KVShape, layer_views
 
@@ -155,7 +155,7 @@ class LlamaModel:
             c.num_heads // c.num_kv_heads,
             c.num_kv_heads * c.head_dim * self.weights.embed.element_size(),
             self.dtype,
-            native_max_query=NATIVE_MAX_QUERY if native else 0,
+            native_max_query=native_max_query(self.dtype, c.head_dim) if native else 0,
         )
         return index, metadata
 

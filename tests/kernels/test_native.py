@@ -15,7 +15,13 @@ from kernel_cases import assert_close, extend_inputs, extend_oracle, make_paged_
 import kernels
 from kernels import native
 from kernels.backend import resolve_backend
-from kernels.cpu_attention import NATIVE_MAX_QUERY, paged_attention_native
+from kernels.cpu_attention import (
+    NATIVE_MAX_QUERY,
+    NATIVE_MAX_QUERY_TILES,
+    NATIVE_Q_TILE,
+    native_max_query,
+    paged_attention_native,
+)
 
 
 def _run(case, query, starts, seqs, lib=None, out=None):
@@ -62,7 +68,7 @@ def test_a_failed_build_raises_with_the_compiler_message(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_len", [1, 3, NATIVE_MAX_QUERY, 21])
+@pytest.mark.parametrize("q_len", [1, 3, NATIVE_Q_TILE, 21])
 def test_one_long_sequence_is_split_across_threads_and_merged(q_len, dtype):
     # ~100 blocks of 16 and few query tiles: the kernel slices the keys (flash-decoding).
     _check([1600], [q_len], 16, 2, 3, 64, dtype)
@@ -81,7 +87,7 @@ def test_head_sizes(head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("without", ["avx512bf16", "avx512f"])
+@pytest.mark.parametrize("without", ["amx-tile", "avx512bf16", "avx512f"])
 def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, tmp_path, monkeypatch):
     """The default build takes the best path this CPU has; the others need their own
     builds: without AVX512-BF16, bf16 is widened to fp32 on AVX-512; without AVX-512,
@@ -91,6 +97,35 @@ def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, tmp_path, monk
     lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
     _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
     _check([900], [5], 16, 1, 4, 128, dtype, lib)
+
+
+def test_runs_route_to_the_c_kernel_up_to_its_limit_for_the_cpus_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    lib = native.library()
+    tiles = bool(lib.chatsvc_attention_uses_tiles())
+    assert native_max_query(torch.bfloat16, 64, lib) == (
+        NATIVE_MAX_QUERY_TILES if tiles else NATIVE_MAX_QUERY
+    )
+    assert native_max_query(torch.float32, 64, lib) == NATIVE_MAX_QUERY
+    assert native_max_query(torch.bfloat16, 48, lib) == NATIVE_MAX_QUERY
+    if platform.machine() == "x86_64":
+        vector = native.load(native.build("gcc", [*native.default_flags(), "-mno-amx-tile"]))
+        assert not vector.chatsvc_attention_uses_tiles()
+        assert native_max_query(torch.bfloat16, 64, vector) == NATIVE_MAX_QUERY
+
+
+def test_runs_as_long_as_the_limit_match_the_oracle_and_the_torch_path():
+    # The longest runs the native backend sends to the C kernel (the tile path with AMX),
+    # beside one just past the limit (torch groups), through the backend entry point.
+    limit = native_max_query(torch.bfloat16, 64)
+    q_lens = [limit, limit + 1, 1]
+    case = make_paged_case([limit + 40, limit + 300, 70], 16, 3, 64, torch.bfloat16)
+    query, starts = extend_inputs(case, q_lens, 9)
+    args = (query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens)
+    native_out = kernels.paged_extend_attention(*args, 0.125, backend="native")
+    assert_close(native_out, extend_oracle(case, query, q_lens), torch.bfloat16)
+    torch_out = kernels.paged_extend_attention(*args, 0.125, backend="torch")
+    assert_close(native_out, torch_out, torch.bfloat16)
 
 
 def test_rows_of_sequences_not_listed_are_left_alone():
