@@ -19,7 +19,8 @@
  * every head side by side: one item then reads each cache line once.
  *
  * bf16 caches on CPUs with AVX512-BF16 take a second vector path (dot products of
- * bf16 pairs, no widening): see `tile_head_bf16`.
+ * bf16 pairs, no widening): see `tile_head_bf16`; where the CPU also has a tile unit
+ * (AMX), runs of several new tokens take a third (`tile_head_amx`).
  *
  * Items run in parallel on the caller's OpenMP team (torch's own libgomp,
  * already loaded in the process, so no second team competes for the cores).
