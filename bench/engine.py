@@ -4,7 +4,9 @@
         [--system-repeat 15] [--max-defer-steps 4] [--think-time 0]
 
 Defaults are a typical chat: a ~500-token shared system prompt and answers of up to
-128 tokens, so by turn 3 a prompt holds ~1,000 tokens of history.
+128 tokens, so by turn 3 a prompt holds ~1,000 tokens of history. With no think time
+(the default) each conversation sends its next turn as soon as its answer is complete;
+``--think-time 1`` pauses as bench.multiturn's users do.
 
 Runs the workload through AsyncEngine twice, prefix cache on and off, and prints
 per-turn TTFT (median over conversations), output tokens/s, and the prefix hit

@@ -28,8 +28,8 @@ from kernels.extend_metadata import ExtendMetadata, metadata_for
 # C / torch time per layer (`python -m bench.cpu_attention`, docs/kernels.md), vector
 # loops, 8 sequences over 600 tokens: 0.64 at 2 new tokens, 0.80 at 4, 1.25 at 8, 1.42 at
 # 16; one sequence over 1000: 0.69 at 4, 0.90 at 8. They break even at ~6. With the tile
-# unit (bf16): 0.86 at 32 new tokens x 8 over 600, 0.93 at 32 and 0.94 at 48 over 1000,
-# 1.06 at 48 x 4 over 300: ~32.
+# unit (bf16): one sequence over 1000 0.86 at 32 new tokens, 0.92 at 48; 8 sequences over
+# 600 1.07 at 32. They break even at ~32.
 NATIVE_MAX_QUERY = 6
 NATIVE_MAX_QUERY_TILES = 32
 # The kernel's query tile on its vector loops (the tile path takes 16 // G tokens).
