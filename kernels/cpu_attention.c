@@ -402,6 +402,31 @@ static inline __attribute__((always_inline)) void scores_rows_bf16(
             out[2 * j + half] = _mm512_add_ps(even[half][j], odd[half][j]);
 }
 
+/* Online-softmax update of one row with the scores of up to 32 keys (raw dot products
+ * of keys 0-15 and 16-31; the first `seen` count): returns the weights as 32 bf16
+ * (key order), updates m and l with their rounded sum, and sets alpha. */
+static inline __m512i softmax_step32(__m512 raw0, __m512 raw1, int seen, float scale_log2,
+                                     float *m, float *l, float *alpha) {
+    const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
+    const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
+    const __m512 scale = _mm512_set1_ps(scale_log2), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 s0 = _mm512_mask_mov_ps(minus_inf, live0, _mm512_mul_ps(raw0, scale));
+    const __m512 s1 = _mm512_mask_mov_ps(minus_inf, live1, _mm512_mul_ps(raw1, scale));
+    const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float top = step_top > *m ? step_top : *m;
+    const __m512 t = _mm512_set1_ps(top);
+    const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
+    const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+    const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+    /* The weights P.V will use, widened back for their sum. */
+    const __m512 lo = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16));
+    const __m512 hi = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
+    update_row(top, m, l, _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)), alpha);
+    return p;
+}
+
 /* acc = acc * alpha + sum over key pairs of (p[2k], p[2k+1]) . V pair k. */
 static inline __attribute__((always_inline)) void accumulate_row_bf16(
     float *acc, float alpha, __m512i p_bf16, int pairs, const float *vv, const int D) {
@@ -424,8 +449,6 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
     const uint16_t *q, float *acc, float *m, float *l, float *kt, float *vv, int32_t prefix,
     int32_t first, int q_begin, int q_end, int h) {
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
-    const __m512 scale = _mm512_set1_ps(a->scale_log2);
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     /* The last row sees the most keys of the step. */
     int most = prefix + (q_end - 1) - first + 1;
     most = most > n ? n : most;
@@ -435,8 +458,6 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
         int seen = prefix + i - first + 1;
         if (seen <= 0) continue;
         seen = seen > n ? n : seen;
-        const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
-        const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
         const int first_row = (i - q_begin) * Hq + h * G;
         for (int g0 = 0; g0 < G; g0 += 4) {
             const int R = G - g0 < 4 ? G - g0 : 4;
@@ -452,26 +473,9 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
             }
             for (int j = 0; j < R; j++) {
                 const int r = first_row + g0 + j;
-                const __m512 s0 =
-                    _mm512_mask_mov_ps(minus_inf, live0, _mm512_mul_ps(scores[2 * j], scale));
-                const __m512 s1 =
-                    _mm512_mask_mov_ps(minus_inf, live1, _mm512_mul_ps(scores[2 * j + 1], scale));
-                const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-                const float top = step_top > m[r] ? step_top : m[r];
-                const __m512 t = _mm512_set1_ps(top);
-                const __m512 p0 =
-                    _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
-                const __m512 p1 =
-                    _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
-                const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* keys 0..31 */
-                /* The weights P.V will use, widened back for their sum. */
-                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16));
-                const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
                 float alpha;
-                update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)),
-                           &alpha);
+                const __m512i p = softmax_step32(scores[2 * j], scores[2 * j + 1], seen,
+                                                 a->scale_log2, &m[r], &l[r], &alpha);
                 accumulate_row_bf16(acc + (int64_t)r * D, alpha, p, (seen + 1) / 2, vv, D);
             }
         }
@@ -537,8 +541,6 @@ static inline __attribute__((always_inline)) void tile_head_amx(
     float *scores = tiles, *out = scores + AMX_ROWS * 32 + AMX_ROWS * 16;
     uint16_t *weights = (uint16_t *)(scores + AMX_ROWS * 32);
     float *alphas = out + AMX_ROWS * D;
-    const __m512 scale = _mm512_set1_ps(a->scale_log2);
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     int most = prefix + q_begin + (nrows - 1) / G - first + 1;
     most = most > n ? n : most;
     load_k_pairs(a, offsets, ahead, n, D, kt);
@@ -566,24 +568,10 @@ static inline __attribute__((always_inline)) void tile_head_amx(
             continue;
         }
         seen = seen > n ? n : seen;
-        const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
-        const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
-        const __m512 s0 = _mm512_mask_mov_ps(
-            minus_inf, live0, _mm512_mul_ps(_mm512_load_ps(scores + j * 32), scale));
-        const __m512 s1 = _mm512_mask_mov_ps(
-            minus_inf, live1, _mm512_mul_ps(_mm512_load_ps(scores + j * 32 + 16), scale));
-        const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-        const float top = step_top > m[r] ? step_top : m[r];
-        const __m512 t = _mm512_set1_ps(top);
-        const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
-        const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
-        const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        const __m512i p =
+            softmax_step32(_mm512_load_ps(scores + j * 32), _mm512_load_ps(scores + j * 32 + 16),
+                           seen, a->scale_log2, &m[r], &l[r], &alphas[j]);
         _mm512_store_si512(weights + j * 32, p);
-        const __m512 lo = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16));
-        const __m512 hi = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
-        update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)), &alphas[j]);
     }
 
     /* P.V per 16 dims (in acc's order), then acc = acc * alpha + P.V per row. */
