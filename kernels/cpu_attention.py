@@ -23,6 +23,7 @@ import torch
 from kernels import native
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, metadata_for
+from kernels.validate import check_shared_strides
 
 # New tokens per sequence up to which the C kernel runs (see the module docstring).
 # C / torch time per layer (`python -m bench.cpu_attention`, docs/kernels.md), vector
@@ -77,8 +78,7 @@ def paged_attention_native(
             f"the native kernel takes CPU fp32/bf16 tensors with head_dim a multiple of 16 "
             f"up to 256, got {query.device} {query.dtype} head_dim {query.shape[-1]}"
         )
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    check_shared_strides(k_cache, v_cache)
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
         raise ValueError("out must be a query-shaped tensor of the query's dtype")
     if seqs.numel() == 0:

@@ -35,6 +35,7 @@ from kernels.validate import (
     check_kv_caches,
     check_query,
     check_scale,
+    check_shared_strides,
 )
 
 # Scores of masked positions are -inf; the running max starts finite so that
@@ -204,8 +205,7 @@ def paged_decode_attention_triton(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    check_shared_strides(k_cache, v_cache)
     out = torch.empty_like(query)
     if batch == 0:
         return out

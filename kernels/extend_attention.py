@@ -32,6 +32,7 @@ from kernels.validate import (
     check_kv_caches,
     check_query,
     check_scale,
+    check_shared_strides,
 )
 
 _NEG_INIT = tl.constexpr(-1.0e30)
@@ -250,8 +251,7 @@ def paged_extend_attention_triton(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    check_shared_strides(k_cache, v_cache)
     out = torch.empty_like(query)
     batch = context_lens.shape[0]
     if batch == 0 or query.shape[0] == 0:

@@ -45,6 +45,12 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, 
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
+def check_shared_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The compiled kernels (C, Triton) address K and V with one set of strides."""
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+
+
 def check_query(query: torch.Tensor, k_cache: torch.Tensor, name: str = "query") -> int:
     """Check a ``[N, H_q, D]`` query against the caches; return the GQA group size."""
     if query.dim() != 3:

@@ -13,7 +13,7 @@ from kernels import native
 from kernels.backend import runnable
 from kernels.step_metadata import WriteIndex, write_index
 from kernels.triton_compat import tl, triton
-from kernels.validate import check_index, check_kv_caches
+from kernels.validate import check_index, check_kv_caches, check_shared_strides
 
 
 @triton.jit
@@ -131,8 +131,7 @@ def write_kv_native(
 ) -> None:
     """Row copies in C (``kernels/cpu_kv.c``), in place (inputs already checked)."""
     lib = native.require()
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    check_shared_strides(k_cache, v_cache)
     slots = slot_mapping.to(torch.int64).contiguous()
     lib.chatsvc_write_kv(
         key.data_ptr(),
@@ -167,8 +166,7 @@ def write_kv_triton(
     if num_tokens == 0:
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides (views of one pool)")
+    check_shared_strides(k_cache, v_cache)
     kernel = runnable(write_kv_kernel, key.device)
     kernel[(num_tokens,)](
         key,
