@@ -18,6 +18,10 @@
  * An item takes all KV heads of a block because a block's K (and V) rows hold
  * every head side by side: one item then reads each cache line once.
  *
+ * Sequences whose tables start with the same blocks (a shared system prompt) attend
+ * to those blocks together in one item on the tile unit, where it has one, and to
+ * the rest on their own; see `plan_shared`.
+ *
  * bf16 caches on CPUs with AVX512-BF16 take a second vector path (dot products of
  * bf16 pairs, no widening): see `tile_head_bf16`; where the CPU also has a tile unit
  * (AMX), runs of several new tokens take a third (`tile_head_amx`).
@@ -61,6 +65,10 @@ typedef struct {
     int32_t seq, q_begin, q_end;
     int32_t key_begin, key_end; /* key positions [begin, end), whole blocks */
     int64_t partial;            /* row offset into the partials, -1: write out directly */
+    /* A shared-prefix item (see `plan_shared`): the query rows of its tokens, which
+     * belong to several sequences; `seq` is one of them. NULL: tokens q_begin..q_end
+     * of `seq`. */
+    const int32_t *tokens;
 } Item;
 
 /* Key tiles are 16 tokens: one fp32 vector of scores per query row. */
@@ -618,7 +626,8 @@ static inline __attribute__((always_inline)) void attend(const Args *a, const It
 
     for (int r = 0; r < rows; r++) {
         const int i = it->q_begin + r / Hq, head = r % Hq;
-        const int64_t offset = (int64_t)(start + i) * a->q_stride_t + (int64_t)head * a->q_stride_h;
+        const int64_t token = it->tokens ? it->tokens[i] : start + i;
+        const int64_t offset = token * a->q_stride_t + (int64_t)head * a->q_stride_h;
         if (dot_pairs) { /* bf16 as given; the scale applies to the scores */
             memcpy((uint16_t *)q + (int64_t)r * D, (const uint16_t *)a->q + offset, 2 * D);
         } else {
@@ -770,30 +779,38 @@ static void attend_any(const Args *a, const Item *it, float *scratch, float *par
     }
 }
 
-/* Merge the slices of one tile: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p. */
-static void merge(const Args *a, const Item *slices, int num_slices, const float *partials,
+/* A tile of one sequence's new tokens and where its pieces' partial states lie:
+ * row r of piece p at partials[(parts[first_part + p] + r) * (D + 2)]. */
+typedef struct {
+    int32_t seq, q_begin, q_end;
+    int32_t first_part, num_parts;
+} Tile;
+
+/* Merge the pieces of one tile: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p. */
+static void merge(const Args *a, const Tile *tile, const int64_t *parts, const float *partials,
                   int head_dim) {
     const int Hq = a->num_q_heads, D = head_dim;
-    const int32_t start = a->query_start[slices[0].seq];
-    const int rows = (slices[0].q_end - slices[0].q_begin) * Hq;
+    const int32_t start = a->query_start[tile->seq];
+    const int rows = (tile->q_end - tile->q_begin) * Hq;
+    const int64_t *own = parts + tile->first_part;
     float acc[D];
     for (int r = 0; r < rows; r++) {
         float top = -INFINITY;
-        for (int s = 0; s < num_slices; s++) {
-            const float ms = partials[(slices[s].partial + r) * (D + 2)];
-            top = ms > top ? ms : top;
+        for (int p = 0; p < tile->num_parts; p++) {
+            const float mp = partials[(own[p] + r) * (D + 2)];
+            top = mp > top ? mp : top;
         }
         float total = 0.0f;
         for (int d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int s = 0; s < num_slices; s++) {
-            const float *part = partials + (slices[s].partial + r) * (D + 2);
-            if (part[1] == 0.0f) continue; /* the slice lies wholly after this row */
+        for (int p = 0; p < tile->num_parts; p++) {
+            const float *part = partials + (own[p] + r) * (D + 2);
+            if (part[1] == 0.0f) continue; /* the piece lies wholly after this row */
             const float w = exp2_nonpositive(part[0] - top);
             total += w * part[1];
 #pragma omp simd
             for (int d = 0; d < D; d++) acc[d] += w * part[2 + d];
         }
-        const int i = slices[0].q_begin + r / Hq, head = r % Hq;
+        const int i = tile->q_begin + r / Hq, head = r % Hq;
         const int64_t offset =
             (int64_t)(start + i) * a->out_stride_t + (int64_t)head * a->out_stride_h;
         const float inv = 1.0f / total;
@@ -811,6 +828,111 @@ static void merge(const Args *a, const Item *slices, int num_slices, const float
  * costs more than the idle thread would). */
 enum { MIN_SLICE_BLOCKS = 16 };
 
+/* Shared prefixes. Sequences whose block tables start with the same blocks (one
+ * system prompt, the forks of n > 1) read the same keys there. Up to a tile's worth
+ * of their new tokens (16 rows per KV head) then attend to those keys together, as
+ * one item on the tile unit, and each sequence attends to the rest of its context
+ * on its own; the two partial states are merged like slices:
+ *
+ *   keys   | 0 ........... S | S ............ context |
+ *   seq a  | shared item     | own items of a        |  -> merge
+ *   seq b  |  (a + b + ...)  | own items of b        |  -> merge
+ *
+ * A decode alone fills 3 of a tile's 16 rows (SmolLM2); five decodes sharing a
+ * system prompt fill 15, and their prompt costs the tile unit one pass instead of
+ * five vector passes. Only where tiles are in use (bf16 with AMX): on vector
+ * loops the sum of work is the same either way. A sequence joins when all its new
+ * tokens fit the item and the shared keys lie wholly before them. */
+enum { MIN_SHARED_KEYS = 64 };
+
+typedef struct {
+    int32_t leader;        /* batch index whose table the item reads */
+    int32_t shared_blocks; /* S / block_size */
+    int32_t num_members;
+    int32_t num_tokens;    /* members' new tokens */
+    int32_t target;        /* tokens it takes: its class's tokens spread evenly, <= cap */
+} SharedGroup;
+
+/* Number of leading equal block ids of two tables, at most `limit`. */
+static int32_t common_blocks(const int32_t *x, const int32_t *y, int32_t limit) {
+    int32_t n = 0;
+    while (n < limit && x[n] == y[n]) n++;
+    return n;
+}
+
+/* Whether seqs[s] may share: a run that fits one item, after enough whole blocks. */
+static int may_share(const int32_t *query_start, const int32_t *context_lens, int32_t b,
+                     int32_t block_size, int32_t cap, int32_t min_blocks) {
+    const int32_t q_len = query_start[b + 1] - query_start[b];
+    return q_len >= 1 && q_len <= cap && (context_lens[b] - q_len) / block_size >= min_blocks;
+}
+
+/* Assign sequences to shared groups: group[s] for seqs[s], -1 for none. Returns the
+ * number of groups with at least two members (the rest are dissolved). Sequences
+ * that start with the same block are spread evenly over as few items as hold
+ * their tokens (16 decodes of 3 rows: 4 items of 4, not 5 + 5 + 5 + 1 left alone).
+ * `scratch`: num_seqs ints. */
+static int32_t plan_shared(const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *query_start, const int32_t *context_lens,
+                           const int32_t *seqs, int32_t num_seqs, int32_t block_size,
+                           int32_t cap, SharedGroup *groups, int32_t *group, int32_t *scratch) {
+    const int32_t min_blocks = (MIN_SHARED_KEYS + block_size - 1) / block_size;
+    int32_t num_groups = 0;
+    for (int32_t s = 0; s < num_seqs; s++) {
+        group[s] = -1;
+        const int32_t b = seqs[s];
+        if (!may_share(query_start, context_lens, b, block_size, cap, min_blocks)) continue;
+        const int32_t q_len = query_start[b + 1] - query_start[b];
+        const int32_t visible = (context_lens[b] - q_len) / block_size;
+        const int32_t *table = block_tables + (int64_t)b * table_stride;
+        for (int32_t g = 0; g < num_groups && group[s] < 0; g++) {
+            SharedGroup *sg = &groups[g];
+            if (sg->num_tokens + q_len > sg->target) continue;
+            const int32_t limit = visible < sg->shared_blocks ? visible : sg->shared_blocks;
+            const int32_t common = common_blocks(
+                table, block_tables + (int64_t)sg->leader * table_stride, limit);
+            /* The second member sets the shared keys (the leader alone holds its whole
+             * prefix); later ones may shorten them, but not below half. */
+            if (common < min_blocks || (sg->num_members > 1 && 2 * common < sg->shared_blocks))
+                continue;
+            sg->shared_blocks = common;
+            sg->num_members++;
+            sg->num_tokens += q_len;
+            group[s] = g;
+        }
+        if (group[s] < 0) {
+            /* The tokens of every sequence starting with this block, and so the size
+             * of this class's items. */
+            int32_t total = 0;
+            for (int32_t t = s; t < num_seqs; t++) {
+                const int32_t c = seqs[t];
+                if (block_tables[(int64_t)c * table_stride] == table[0] &&
+                    may_share(query_start, context_lens, c, block_size, cap, min_blocks))
+                    total += query_start[c + 1] - query_start[c];
+            }
+            const int32_t items = (total + cap - 1) / cap;
+            groups[num_groups] = (SharedGroup){b, visible, 1, q_len, (total + items - 1) / items};
+            group[s] = num_groups++;
+        }
+    }
+    /* Keep groups of two or more, renumbered. */
+    for (int32_t g = 0; g < num_groups; g++) scratch[g] = 0;
+    for (int32_t s = 0; s < num_seqs; s++)
+        if (group[s] >= 0) scratch[group[s]]++;
+    int32_t kept = 0;
+    for (int32_t g = 0; g < num_groups; g++) {
+        if (scratch[g] >= 2) {
+            groups[kept] = groups[g];
+            scratch[g] = kept++;
+        } else {
+            scratch[g] = -1;
+        }
+    }
+    for (int32_t s = 0; s < num_seqs; s++)
+        if (group[s] >= 0) group[s] = scratch[group[s]];
+    return kept;
+}
+
 /* Attention of the new tokens of sequences `seqs[0..num_seqs)` (indices into the
  * batch); rows of other sequences in `out` are left untouched. Strides are in
  * elements; K and V share theirs. Returns 0, or -1 when scratch memory runs out
@@ -825,62 +947,121 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                             int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                             int32_t q_tile, float scale_log2, int32_t dtype,
                             int32_t num_threads) {
+    if (num_seqs <= 0) return 0;
+    const int32_t G = num_q_heads / num_kv_heads;
     int amx_on = 0;
+    int32_t num_groups = 0;
+    SharedGroup *groups = malloc(sizeof(SharedGroup) * num_seqs);
+    int32_t *group = malloc(sizeof(int32_t) * num_seqs);
+    int32_t *scratch_ids = malloc(sizeof(int32_t) * num_seqs);
+    if (!groups || !group || !scratch_ids) {
+        free(groups);
+        free(group);
+        free(scratch_ids);
+        return -1;
+    }
+    for (int32_t s = 0; s < num_seqs; s++) group[s] = -1;
 #if defined(CHATSVC_AMX)
-    if (dtype == DTYPE_BF16 && head_dim % 32 == 0 && amx_usable()) {
+    if (dtype == DTYPE_BF16 && head_dim % 32 == 0 && AMX_ROWS / G >= 1 && amx_usable()) {
         /* A tile holds 16 rows per KV head: the tile's new tokens x G. Threads set up
-         * tiles only for a call with a run long enough to use them (not for decodes:
-         * that setup costs more than a decode's layer gains). */
-        const int32_t G = num_q_heads / num_kv_heads, fits = AMX_ROWS / G;
-        for (int32_t s = 0; s < num_seqs && fits >= 1 && !amx_on; s++) {
+         * tiles only for a call that has a run long enough, or a shared prefix, to use
+         * them (a lone decode's 3 rows would waste the setup). */
+        const int32_t fits = AMX_ROWS / G;
+        const int32_t cap = q_tile < fits ? q_tile : fits;
+        for (int32_t s = 0; s < num_seqs && !amx_on; s++) {
             const int32_t q_len = query_start[seqs[s] + 1] - query_start[seqs[s]];
             amx_on = (q_len < fits ? q_len : fits) * G >= AMX_MIN_ROWS;
         }
+        num_groups = plan_shared(block_tables, table_stride, query_start, context_lens, seqs,
+                                 num_seqs, block_size, cap, groups, group, scratch_ids);
+        for (int32_t g = 0; g < num_groups && !amx_on; g++)
+            amx_on = groups[g].num_tokens * G >= AMX_MIN_ROWS;
         if (amx_on && q_tile > fits) q_tile = fits;
     }
 #endif
+    free(scratch_ids);
     const Args a = {q, q_stride_t, q_stride_h, k, v, kv_stride_block, kv_stride_slot,
                     kv_stride_head, out, out_stride_t, out_stride_h, block_tables, table_stride,
                     query_start, context_lens, num_q_heads, num_kv_heads, block_size, q_tile,
                     dtype, scale_log2};
-    int64_t num_tiles = 0;
+    int64_t num_tiles = 0, num_tokens = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
         const int32_t q_len = query_start[seqs[s] + 1] - query_start[seqs[s]];
         num_tiles += (q_len + q_tile - 1) / q_tile;
+        num_tokens += q_len;
     }
-    if (num_tiles == 0) return 0;
+    if (num_tiles == 0) {
+        free(groups);
+        free(group);
+        return 0;
+    }
     /* Split tiles into slices only when there are too few tiles to share out. */
     const int64_t want = num_tiles >= 2 * num_threads ? 1 : (4 * num_threads + num_tiles - 1) / num_tiles;
-    /* Each tile becomes at most `want` items. */
-    Item *items = malloc(sizeof(Item) * num_tiles * want);
-    int32_t *tile_first = malloc(sizeof(int32_t) * (num_tiles + 1));
-    if (!items || !tile_first) {
+    /* Each tile becomes at most `want` items, plus a piece of its group's shared item. */
+    Item *items = malloc(sizeof(Item) * (num_tiles * want + num_groups + 1));
+    Tile *tiles = malloc(sizeof(Tile) * (num_tiles + 1));
+    int64_t *parts = malloc(sizeof(int64_t) * (num_tiles * (want + 1) + 1));
+    int32_t *shared_tokens = malloc(sizeof(int32_t) * (num_tokens + 1));
+    int64_t *shared_offset = malloc(sizeof(int64_t) * (num_groups + 1));
+    if (!items || !tiles || !parts || !shared_tokens || !shared_offset) {
         free(items);
-        free(tile_first);
+        free(tiles);
+        free(parts);
+        free(shared_tokens);
+        free(shared_offset);
+        free(groups);
+        free(group);
         return -1;
     }
-    int64_t n = 0, tile = 0, partial_rows = 0;
+    int64_t n = 0, partial_rows = 0, num_parts = 0;
+    /* Shared items first: their tokens and partial rows. A member's token t of the
+     * item is row (shared_offset + t * Hq + head) in the partials. */
+    int32_t filled = 0;
+    for (int32_t g = 0; g < num_groups; g++) {
+        Item it = {groups[g].leader, 0, 0, 0, groups[g].shared_blocks * block_size,
+                   partial_rows, shared_tokens + filled};
+        for (int32_t s = 0; s < num_seqs; s++) {
+            if (group[s] != g) continue;
+            for (int32_t t = query_start[seqs[s]]; t < query_start[seqs[s] + 1]; t++)
+                shared_tokens[filled++] = t;
+        }
+        it.q_end = groups[g].num_tokens;
+        shared_offset[g] = partial_rows;
+        partial_rows += (int64_t)it.q_end * num_q_heads;
+        items[n++] = it;
+    }
+    int64_t tile = 0;
+    int32_t member_token[num_groups + 1];
+    for (int32_t g = 0; g < num_groups; g++) member_token[g] = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
-        const int32_t b = seqs[s];
+        const int32_t b = seqs[s], g = group[s];
         const int32_t q_len = query_start[b + 1] - query_start[b];
-        const int32_t blocks = (context_lens[b] + block_size - 1) / block_size;
+        const int32_t key_begin = g >= 0 ? groups[g].shared_blocks * block_size : 0;
+        const int32_t blocks = (context_lens[b] + block_size - 1) / block_size - key_begin / block_size;
         int64_t slices = blocks / MIN_SLICE_BLOCKS;
         slices = slices < 1 ? 1 : slices > want ? want : slices;
         const int32_t per_slice = (int32_t)((blocks + slices - 1) / slices) * block_size;
+        const int split = slices > 1 || g >= 0;
         for (int32_t begin = 0; begin < q_len; begin += q_tile) {
             const int32_t end = begin + q_tile < q_len ? begin + q_tile : q_len;
-            tile_first[tile++] = (int32_t)n;
+            Tile *t = &tiles[tile++];
+            *t = (Tile){b, begin, end, (int32_t)num_parts, 0};
+            if (g >= 0) /* a member has all its tokens in one tile (q_len <= cap) */
+                parts[num_parts++] = shared_offset[g] + (int64_t)(member_token[g] + begin) * num_q_heads;
             for (int64_t p = 0; p < slices; p++) {
-                Item it = {b, begin, end, (int32_t)p * per_slice, (int32_t)(p + 1) * per_slice, -1};
-                if (slices > 1) {
+                Item it = {b, begin, end, key_begin + (int32_t)p * per_slice,
+                           key_begin + (int32_t)(p + 1) * per_slice, -1, NULL};
+                if (split) {
                     it.partial = partial_rows;
+                    parts[num_parts++] = partial_rows;
                     partial_rows += (int64_t)(end - begin) * num_q_heads;
                 }
                 items[n++] = it;
             }
+            t->num_parts = (int32_t)num_parts - t->first_part;
         }
+        if (g >= 0) member_token[g] += q_len;
     }
-    tile_first[num_tiles] = (int32_t)n;
     const int64_t num_items = n;
 
     float *partials = partial_rows ? malloc(sizeof(float) * partial_rows * (head_dim + 2)) : NULL;
@@ -910,10 +1091,8 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                 attend_any(&a, &items[i], scratch, partials, amx, head_dim);
             if (partial_rows) {
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t t = 0; t < num_tiles; t++) {
-                    const int count = tile_first[t + 1] - tile_first[t];
-                    if (count > 1) merge(&a, &items[tile_first[t]], count, partials, head_dim);
-                }
+                for (int64_t t = 0; t < num_tiles; t++)
+                    if (tiles[t].num_parts > 1) merge(&a, &tiles[t], parts, partials, head_dim);
             }
         }
 #if defined(CHATSVC_AMX)
@@ -923,8 +1102,13 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
         free(scratch);
     }
     free(partials);
-    free(tile_first);
+    free(shared_offset);
+    free(shared_tokens);
+    free(parts);
+    free(tiles);
     free(items);
+    free(groups);
+    free(group);
     return failed ? -1 : 0;
 }
 

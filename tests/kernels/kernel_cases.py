@@ -85,6 +85,15 @@ def make_paged_case(
     )
 
 
+def share_prefix(case: PagedCase, leader: int, member: int, num_blocks: int) -> None:
+    """Map ``member``'s first ``num_blocks`` blocks onto ``leader``'s, as the prefix cache
+    maps a shared system prompt; its dense K/V follow. Both must be that long."""
+    n = num_blocks * case.block_size
+    case.block_tables[member, :num_blocks] = case.block_tables[leader, :num_blocks]
+    case.keys[member][:n] = case.keys[leader][:n]
+    case.values[member][:n] = case.values[leader][:n]
+
+
 def slots_of(case: PagedCase, b: int, positions: torch.Tensor) -> torch.Tensor:
     """Slots of sequence ``b``'s token ``positions`` (int64)."""
     bs = case.block_size

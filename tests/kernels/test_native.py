@@ -10,7 +10,13 @@ import platform
 
 import pytest
 import torch
-from kernel_cases import assert_close, extend_inputs, extend_oracle, make_paged_case
+from kernel_cases import (
+    assert_close,
+    extend_inputs,
+    extend_oracle,
+    make_paged_case,
+    share_prefix,
+)
 
 import kernels
 from kernels import native
@@ -97,6 +103,44 @@ def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, tmp_path, monk
     lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
     _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
     _check([900], [5], 16, 1, 4, 128, dtype, lib)
+
+
+def _shared_prefix_case(dtype):
+    """Two tenants' system prompts (8 and 12 blocks of 16) under 13 sequences, and the
+    cases at the edges of sharing: new tokens that start inside the shared blocks, a
+    prefix too short to share, one shared by a single sequence, one shared only in part."""
+    lens = [300, 520, 129, 700, 410, 260, 333, 640, 205, 900, 450, 390, 40]
+    q_lens = [1, 1, 1, 4, 1, 2, 1, 1, 5, 1, 1, 3, 1]
+    case = make_paged_case(lens, 16, 3, 64, dtype, spare_blocks=0)
+    for member in (1, 2, 3, 4, 5, 6, 7):  # seq 2: new token at 128, right after the 8 blocks
+        share_prefix(case, 0, member, 8)
+    for member in (9, 10):
+        share_prefix(case, 8, member, 12)
+    share_prefix(case, 8, 11, 5)  # five blocks with the second tenant: under half of 12
+    share_prefix(case, 0, 12, 2)  # 32 tokens: below the kernel's minimum
+    return case, q_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("build", ["default", "-mno-amx-tile"])
+def test_sequences_sharing_prefix_blocks_match_the_oracle(build, dtype, tmp_path, monkeypatch):
+    """Shared prefixes go through one tile-unit item per group (bf16 with AMX) and are
+    merged with each sequence's own keys; the other builds and dtypes ignore sharing."""
+    lib = None
+    if build != "default" and platform.machine() == "x86_64":
+        monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+        lib = native.load(native.build("gcc", [*native.default_flags(), build]))
+    case, q_lens = _shared_prefix_case(dtype)
+    query, starts = extend_inputs(case, q_lens, 9)
+    out = _run(case, query, starts, list(range(len(q_lens))), lib)
+    assert_close(out, extend_oracle(case, query, q_lens), dtype)
+    # A subset whose members are not neighbours in the batch, in another order.
+    seqs = [10, 3, 9, 1, 5]
+    out = _run(case, query, starts, seqs, lib)
+    expected = extend_oracle(case, query, q_lens)
+    for b in seqs:
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        assert_close(out[rows], expected[rows], dtype)
 
 
 def test_runs_route_to_the_c_kernel_up_to_its_limit_for_the_cpus_paths(tmp_path, monkeypatch):
