@@ -71,15 +71,16 @@ def ours_decode(loaded: LoadedModel, batch: int, context: int) -> Callable[[], o
     return lambda: model.forward(step, pool)
 
 
-def per_layer_metadata(model, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with the kernels deriving slots, gather ids and masks in every layer (the old way)."""
+def checked_kernels(model, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with every layer calling the public kernel functions, which check their
+    arguments and pick the backend per call (``kernels.step_kernels``: the old way)."""
 
     def run() -> object:
-        model._step_metadata = lambda batch, block_size: (None, None)
+        model.bind_step_kernels = False
         try:
             return fn()
         finally:
-            del model._step_metadata
+            model.bind_step_kernels = True
 
     return run
 
@@ -178,9 +179,10 @@ def main() -> None:
         "(CHATSVC_KERNEL_BACKEND=torch) beside the default (native on CPU)",
     )
     parser.add_argument(
-        "--compare-metadata",
+        "--compare-checked",
         action="store_true",
-        help="also time the prepacked decode with per-layer kernel metadata (the old path)",
+        help="also time the prepacked decode with every layer calling the public, "
+        "per-call-checked kernel functions instead of the step's bound kernels",
     )
     args = parser.parse_args()
     if args.threads:
@@ -201,8 +203,8 @@ def main() -> None:
             "ours": ours_decode(plain, batch, args.context),
             "prepacked": ours_decode(packed, batch, args.context),
         }
-        if args.compare_metadata:
-            fns["per-layer-meta"] = per_layer_metadata(packed.model, fns["prepacked"])
+        if args.compare_checked:
+            fns["checked-kernels"] = checked_kernels(packed.model, fns["prepacked"])
         if args.compare_backends:
             fns["prepacked-torch-kernels"] = with_backend("torch", fns["prepacked"])
         for n in (int(t) for t in args.thread_sweep.split(",") if t):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.layers import (
     RotaryTables,
@@ -36,7 +35,8 @@ from kernels import step_metadata
 from kernels.backend import resolve_backend
 from kernels.cpu_attention import native_max_query, native_supports
 from kernels.extend_metadata import extend_metadata
-from kernels.kv_layout import KVShape, layer_views
+from kernels.kv_layout import KVShape
+from kernels.step_kernels import CheckedStep, NativeStep
 
 
 class LlamaModel:
@@ -73,6 +73,9 @@ class LlamaModel:
         self.rope = RotaryTables(config, self.max_positions, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
+        # False: every layer calls the public, per-call-checked kernel functions even on
+        # the native backend (bench.model_step --compare-checked; the results are equal).
+        self.bind_step_kernels = True
         if prepack_weights is None:
             prepack_weights = can_prepack(self.device, self.dtype)
         self.prepacked = bool(prepack_weights)
@@ -131,33 +134,54 @@ class LlamaModel:
         if bool(((tables < 0) | (tables >= num_blocks)).any()):
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
-    def _step_metadata(self, batch: ForwardBatch, block_size: int):
-        """The CPU kernels' slot split (torch) and attention groups, once for all layers.
+    def _step_kernels(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> CheckedStep | NativeStep:
+        """The kernels every layer of this step calls, bound once (``kernels.step_kernels``).
 
-        (None, None) where the kernels run Triton, which reads the raw tensors itself.
+        On the CPU this also builds the attention groups and, for the torch path, the
+        slot split once for all layers; Triton reads the raw tensors itself.
         """
-        backend = resolve_backend(None, self.device)
-        if backend == "triton":
-            return None, None
         c = self.config
+        backend = resolve_backend(None, self.device)
         native = backend == "native" and native_supports(self.device, self.dtype, c.head_dim)
-        # The native KV write reads the slots as they are; the torch one wants them split.
-        index = (
-            None
-            if backend == "native"
-            else step_metadata.write_index(batch.slot_mapping, block_size)
-        )
-        metadata = extend_metadata(
+        write_index, metadata = None, None
+        if backend != "triton":
+            metadata = extend_metadata(
+                batch.block_tables,
+                batch.query_start_loc,
+                batch.context_lens,
+                kv_pool.shape[3],
+                c.num_heads // c.num_kv_heads,
+                c.num_kv_heads * c.head_dim * self.weights.embed.element_size(),
+                self.dtype,
+                native_max_query=native_max_query(self.dtype, c.head_dim) if native else 0,
+            )
+        if native and self.bind_step_kernels:
+            return NativeStep(
+                kv_pool,
+                batch.slot_mapping,
+                batch.block_tables,
+                batch.query_start_loc,
+                batch.context_lens,
+                num_q_heads=c.num_heads,
+                scale=self.scale,
+                eps=c.rms_norm_eps,
+                metadata=metadata,
+            )
+        if backend == "torch":
+            write_index = step_metadata.write_index(batch.slot_mapping, kv_pool.shape[3])
+        return CheckedStep(
+            kv_pool,
+            batch.slot_mapping,
             batch.block_tables,
             batch.query_start_loc,
             batch.context_lens,
-            block_size,
-            c.num_heads // c.num_kv_heads,
-            c.num_kv_heads * c.head_dim * self.weights.embed.element_size(),
-            self.dtype,
-            native_max_query=native_max_query(self.dtype, c.head_dim) if native else 0,
+            is_decode=batch.is_decode,
+            max_query_len=batch.max_query_len,
+            scale=self.scale,
+            eps=c.rms_norm_eps,
+            write_index=write_index,
+            metadata=metadata,
         )
-        return index, metadata
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
@@ -171,55 +195,28 @@ class LlamaModel:
         num_tokens = batch.num_tokens
         q_size, kv_size = c.q_size, c.kv_size
         heads_qk = c.num_heads + c.num_kv_heads
-        eps = c.rms_norm_eps
         mm, mm_add = self._linear, self._linear_add
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
-        write_index, attention_metadata = self._step_metadata(batch, kv_pool.shape[3])
+        ops = self._step_kernels(batch, kv_pool)
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
-            x = kernels.rms_norm(h, layer.input_norm, eps)
+            x = ops.rms_norm(h, layer.input_norm)
             qkv = mm(x, layer.qkv_weight, layer.qkv_bias)  # [T, q + 2kv]
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads_qk, c.head_dim)
-            kernels.apply_rope_(qk, cos, sin)
+            ops.rope_(qk, cos, sin)
             q = qk[:, : c.num_heads]  # [T, H_q, D]
             k = qk[:, c.num_heads :]  # [T, H_kv, D]
             v = qkv[:, q_size + kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
-            k_cache, v_cache = layer_views(kv_pool, layer_id)
-            kernels.write_kv(
-                k_cache, v_cache, k, v, batch.slot_mapping, check_bounds=False, index=write_index
-            )
-            if batch.is_decode:
-                o = kernels.paged_decode_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    batch.block_tables,
-                    batch.context_lens,
-                    self.scale,
-                    check_bounds=False,
-                    metadata=attention_metadata,
-                )
-            else:
-                o = kernels.paged_extend_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    batch.block_tables,
-                    batch.query_start_loc,
-                    batch.context_lens,
-                    self.scale,
-                    check_bounds=False,
-                    max_query_len=batch.max_query_len,
-                    metadata=attention_metadata,
-                )
+            ops.write_kv(layer_id, k, v)
+            o = ops.attention(layer_id, q)  # [T, H_q, D]
             h = mm_add(o.reshape(num_tokens, q_size), layer.o_weight, h)
-            x = kernels.rms_norm(h, layer.post_norm, eps)
-            act = kernels.swiglu(mm(x, layer.gate_up_weight))  # [T, I]
+            x = ops.rms_norm(h, layer.post_norm)
+            act = ops.swiglu(mm(x, layer.gate_up_weight))  # [T, I]
             h = mm_add(act, layer.down_weight, h)
 
         last = h.index_select(0, batch.logits_indices)  # [B, hidden]
-        last = kernels.rms_norm(last, w.final_norm, eps)
+        last = ops.rms_norm(last, w.final_norm)
         return mm(last, self._lm_head).float()  # [B, vocab]
 
     __call__ = forward
