@@ -38,13 +38,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 typedef struct {
@@ -491,46 +488,17 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define CHATSVC_AMX 1
+#if defined(CHATSVC_AMX)
 /* Runs of several new tokens on CPUs with AMX. One tile instruction multiplies
  * 16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 fp32, so the rows of one KV head (its
  * query heads x the tile's new tokens, up to 16) get their scores and P.V from the
  * tile unit and only the softmax runs in vector code. K and V come in the bf16
  * path's layouts, which are the tile unit's B operands as they are (kt: dword
  * columns for Q.K^T; vv: key pairs for P.V), so acc keeps that path's dim order.
- * A decode has G rows per head (3 for SmolLM2): it stays on the vector path, which
- * wastes no tile rows. */
+ * A decode alone has G rows per head (3 for SmolLM2): it stays on the vector path,
+ * which wastes no tile rows, except for the keys it shares (`plan_shared`). */
 
 enum { AMX_ROWS = 16, AMX_MIN_ROWS = 6 };
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static int amx_permission; /* 0: not asked yet, 1: granted, -1: refused */
-
-/* Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM for
- * XTILEDATA, once per process; torch's oneDNN asks too). */
-static int amx_usable(void) {
-    if (amx_permission == 0)
-        amx_permission = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return amx_permission > 0;
-}
-
-/* Every tile 16 rows x 64 bytes; per thread, before its first tile instruction. */
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = AMX_ROWS;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* Floats of a thread's tile scratch: per KV head its rows packed [16][D] (bf16),
  * scores [16][32], weights [16][32] (bf16), P.V [16][D], alpha [16]. */
@@ -948,7 +916,6 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                             int32_t q_tile, float scale_log2, int32_t dtype,
                             int32_t num_threads) {
     if (num_seqs <= 0) return 0;
-    const int32_t G = num_q_heads / num_kv_heads;
     int amx_on = 0;
     int32_t num_groups = 0;
     SharedGroup *groups = malloc(sizeof(SharedGroup) * num_seqs);
@@ -962,6 +929,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     }
     for (int32_t s = 0; s < num_seqs; s++) group[s] = -1;
 #if defined(CHATSVC_AMX)
+    const int32_t G = num_q_heads / num_kv_heads;
     if (dtype == DTYPE_BF16 && head_dim % 32 == 0 && AMX_ROWS / G >= 1 && amx_usable()) {
         /* A tile holds 16 rows per KV head: the tile's new tokens x G. Threads set up
          * tiles only for a call that has a run long enough, or a shared prefix, to use

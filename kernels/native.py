@@ -32,9 +32,12 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_kv.c", "cpu_layers.c")
+    Path(__file__).with_name(name)
+    for name in ("cpu_attention.c", "cpu_kv.c", "cpu_layers.c", "cpu_linear.c")
 )
-HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # included by the sources: in the key
+HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_amx.h")
+)  # included by the sources: in the key
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
 BASE_FLAGS = [
@@ -170,6 +173,20 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i64, ptr, i64,  # gate_up, row stride, out, row stride
         i64, i64, i32, i32,  # rows, intermediate size, dtype, num_threads
     ]  # fmt: skip
+    lib.chatsvc_linear_packed_elements.restype = i64
+    lib.chatsvc_linear_packed_elements.argtypes = [i64, i64]
+    lib.chatsvc_linear_pack.restype = None
+    lib.chatsvc_linear_pack.argtypes = [ptr, i64, i64, i64, ptr]  # w, row stride, n, k, packed
+    linear = lib.chatsvc_linear
+    linear.restype = ctypes.c_int
+    linear.argtypes = [
+        ptr, i64, i64,  # x, row stride, rows
+        ptr, i64, i64,  # packed weight, out features, in features
+        ptr, ptr, i64,  # bias, residual, residual row stride (NULL: none)
+        ptr, i64, i32,  # out, row stride, num_threads
+    ]  # fmt: skip
+    lib.chatsvc_linear_uses_tiles.restype = ctypes.c_int
+    lib.chatsvc_linear_uses_tiles.argtypes = []
 
 
 def library() -> ctypes.CDLL | None:
