@@ -5,7 +5,9 @@
 
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
-and with oneDNN-prepacked weights, and of LlamaForCausalLM with its DynamicCache.
+weights, with oneDNN-prepacked ones and, where the CPU has a tile unit (bf16 with AMX),
+with tile-packed ones (``kernels.tile_linear``, the default there: "prepacked" below
+is the model's default layout), and of LlamaForCausalLM with its DynamicCache.
 Then one prefill of --prefill tokens. The variants run interleaved, sample by
 sample, so a shared machine's changing load hits them alike; medians are printed.
 Figures, not assertions.
@@ -22,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from chatsvc.engine.forward_batch import ForwardBatch
+from chatsvc.engine.layers import can_prepack
 from chatsvc.engine.loader import LoadedModel, load_model
 from kernels.backend import ENV_VAR
 from kernels.kv_layout import new_kv_pool
@@ -190,6 +193,11 @@ def main() -> None:
 
     plain = load_model("smollm2", dtype=args.dtype, prepack_weights=False)
     packed = load_model("smollm2", dtype=args.dtype, prepack_weights=True)
+    onednn = None
+    if packed.model.weight_layout != "onednn" and can_prepack(
+        packed.model.device, packed.model.dtype
+    ):
+        onednn = load_model("smollm2", dtype=args.dtype, prepack_weights="onednn")
     dtype = plain.model.dtype
     hf = None
     if not args.skip_transformers:
@@ -197,12 +205,17 @@ def main() -> None:
 
         hf = LlamaForCausalLM.from_pretrained(str(plain.path), dtype=dtype, local_files_only=True)
         hf.eval()
-    print(f"model {plain.name}, dtype {dtype}, threads {torch.get_num_threads()}")
+    print(
+        f"model {plain.name}, dtype {dtype}, threads {torch.get_num_threads()}, "
+        f"prepacked = {packed.model.weight_layout} weights"
+    )
     for batch in (int(b) for b in args.batches.split(",")):
         fns = {
             "ours": ours_decode(plain, batch, args.context),
             "prepacked": ours_decode(packed, batch, args.context),
         }
+        if onednn is not None:
+            fns["onednn"] = ours_decode(onednn, batch, args.context)
         if args.compare_checked:
             fns["checked-kernels"] = checked_kernels(packed.model, fns["prepacked"])
         if args.compare_backends:
@@ -218,6 +231,8 @@ def main() -> None:
         print(line, flush=True)
     if args.prefill:
         fns = {"prepacked": ours_prefill(packed, args.prefill)}
+        if onednn is not None:
+            fns["onednn"] = ours_prefill(onednn, args.prefill)
         if args.compare_backends:
             fns["prepacked-torch-kernels"] = with_backend("torch", fns["prepacked"])
         if hf is not None:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from chatsvc.engine.model_config import ModelConfig, RopeScaling
+from kernels.tile_linear import TileWeight
+from kernels.tile_linear import tile_linear as _tile_linear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -95,3 +97,13 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def packed_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
     """``residual + x @ weight^T`` in one call, a weight from ``prepack``."""
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")
+
+
+def tile_linear(x: torch.Tensor, weight: TileWeight, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``kernels.tile_linear.pack_tile_weight``."""
+    return _tile_linear(x, weight, bias)
+
+
+def tile_linear_add(x: torch.Tensor, weight: TileWeight, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a tile-packed weight."""
+    return _tile_linear(x, weight, None, residual)

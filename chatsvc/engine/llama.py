@@ -28,6 +28,8 @@ from chatsvc.engine.layers import (
     packed_linear,
     packed_linear_add,
     prepack,
+    tile_linear,
+    tile_linear_add,
 )
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
@@ -37,6 +39,28 @@ from kernels.cpu_attention import native_max_query, native_supports
 from kernels.extend_metadata import extend_metadata
 from kernels.kv_layout import KVShape
 from kernels.step_kernels import CheckedStep, NativeStep
+from kernels.tile_linear import pack_tile_weight, tile_linear_available
+
+WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
+
+
+def _weight_layout(choice: bool | str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """``LlamaModel``'s ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``."""
+    tiles = resolve_backend(None, device) == "native" and tile_linear_available(device, dtype)
+    onednn = can_prepack(device, dtype)
+    if choice is False:
+        return "plain"
+    if choice is None or choice is True:
+        if tiles or onednn:
+            return "tiles" if tiles else "onednn"
+        if choice is None:
+            return "plain"
+        raise ValueError("weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)")
+    if choice not in WEIGHT_LAYOUTS:
+        raise ValueError(f"prepack_weights must be a bool, None or one of {WEIGHT_LAYOUTS}")
+    if (choice == "tiles" and not tiles) or (choice == "onednn" and not onednn):
+        raise ValueError(f"the {choice!r} weight layout is not available for {dtype} on {device}")
+    return choice
 
 
 class LlamaModel:
@@ -52,14 +76,17 @@ class LlamaModel:
         weights: ModelWeights,
         max_positions: int | None = None,
         check_bounds: bool = True,
-        prepack_weights: bool | None = None,
+        prepack_weights: bool | str | None = None,
     ) -> None:
         """check_bounds: validate each step's slots and block ids against the pool once per
         step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
 
-        prepack_weights: store the layers' matrices in oneDNN's blocked layout (CPU only;
-        None = wherever available). The plain matrices in ``weights.layers`` are replaced by
-        the packed ones, which still report their ``[out, in]`` shape.
+        prepack_weights: store the matrices in a layout made for the CPU's matrix code
+        (``WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.tile_linear`` (bf16 with AMX and the
+        native kernels), ``"onednn"`` for torch's oneDNN linears; True or None = the first
+        of those available here (None: plain where neither is), False = plain. The plain
+        matrices in ``weights.layers`` are replaced by the packed ones, which still report
+        their ``[out, in]`` shape.
         """
         if len(weights.layers) != config.num_layers:
             raise ValueError(
@@ -76,24 +103,23 @@ class LlamaModel:
         # False: every layer calls the public, per-call-checked kernel functions even on
         # the native backend (bench.model_step --compare-checked; the results are equal).
         self.bind_step_kernels = True
-        if prepack_weights is None:
-            prepack_weights = can_prepack(self.device, self.dtype)
-        self.prepacked = bool(prepack_weights)
+        self.weight_layout = _weight_layout(prepack_weights, self.device, self.dtype)
+        self.prepacked = self.weight_layout != "plain"
         self._linear, self._linear_add = linear, linear_add
         self._lm_head = weights.lm_head
         if self.prepacked:
-            if not can_prepack(self.device, self.dtype):
-                raise ValueError(
-                    "weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)"
-                )
+            pack = prepack
             self._linear, self._linear_add = packed_linear, packed_linear_add
+            if self.weight_layout == "tiles":
+                pack = pack_tile_weight
+                self._linear, self._linear_add = tile_linear, tile_linear_add
             for layer in weights.layers:
-                layer.qkv_weight = prepack(layer.qkv_weight)
-                layer.o_weight = prepack(layer.o_weight)
-                layer.gate_up_weight = prepack(layer.gate_up_weight)
-                layer.down_weight = prepack(layer.down_weight)
+                layer.qkv_weight = pack(layer.qkv_weight)
+                layer.o_weight = pack(layer.o_weight)
+                layer.gate_up_weight = pack(layer.gate_up_weight)
+                layer.down_weight = pack(layer.down_weight)
             # The embedding stays plain for lookups; a tied head gets its own packed copy.
-            self._lm_head = prepack(weights.lm_head)
+            self._lm_head = pack(weights.lm_head)
 
     def kv_shape(self, block_size: int) -> KVShape:
         """The KV pool shape this model needs for a given block size."""

@@ -74,15 +74,15 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     seed: int = 0,
-    prepack_weights: bool | None = None,
+    prepack_weights: bool | str | None = None,
 ) -> LoadedModel:
     """Load a model by spec (see the module docstring).
 
     dtype: None picks bf16 where the hardware runs it natively, else fp32.
     max_positions: longest sequence to precompute RoPE for (default: the model's limit).
     seed: random weights only.
-    prepack_weights: oneDNN-blocked matrices on CPU (None = wherever available); see
-    ``LlamaModel``.
+    prepack_weights: matrices in a layout for the CPU's matrix code (None = wherever
+    available; "tiles" or "onednn" picks one); see ``LlamaModel``.
     """
     resolved = resolve_dtype(dtype, device)
     if spec == DEFAULT_SPEC:
@@ -113,7 +113,7 @@ def load_local(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int | None = None,
-    prepack_weights: bool | None = None,
+    prepack_weights: bool | str | None = None,
 ) -> LoadedModel:
     """Load a local Hugging Face directory straight into our model (no transformers model)."""
     config = read_config(model_dir)

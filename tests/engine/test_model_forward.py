@@ -112,3 +112,23 @@ def test_bf16_model_tracks_fp32(smollm2_fp32, paged_driver):
     # bf16 keeps ~3 significant digits: the distributions agree, the top token too.
     assert float(torch.nn.functional.cosine_similarity(got, ref, dim=0)) > 0.99
     assert int(got.argmax()) == int(ref.argmax())
+
+
+def test_weight_layouts_agree_in_bf16(smollm2_fp32, paged_driver, kernel_backend):
+    """The tile layout (bf16 on CPUs with AMX, native kernels) against oneDNN's: the
+    same sums in another order, so logits agree to bf16 rounding."""
+    from chatsvc.engine.loader import load_model
+    from kernels.tile_linear import tile_linear_available
+
+    if kernel_backend != "native" or not tile_linear_available("cpu", torch.bfloat16):
+        with pytest.raises(ValueError, match="'tiles' weight layout is not available"):
+            load_model("smollm2", dtype="bf16", max_positions=256, prepack_weights="tiles")
+        return
+    tiles = load_model("smollm2", dtype="bf16", max_positions=256)
+    assert tiles.model.weight_layout == "tiles"
+    onednn = load_model("smollm2", dtype="bf16", max_positions=256, prepack_weights="onednn")
+    tokens = _ids(smollm2_fp32, PROMPTS[1])
+    got = paged_driver(tiles.model, seed=6).step({"s": tokens})[0]
+    ref = paged_driver(onednn.model, seed=6).step({"s": tokens})[0]
+    assert float(torch.nn.functional.cosine_similarity(got, ref, dim=0)) > 0.999
+    assert int(got.argmax()) == int(ref.argmax())
