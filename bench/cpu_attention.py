@@ -9,9 +9,14 @@ the K/V come from memory as in a forward pass, not from a cache warmed by the
 previous call. The two paths run interleaved, round by round; the medians per
 layer are printed as a markdown table. Figures, not assertions.
 
-``--baseline-flags`` adds a column: the native kernel built with those extra compiler
-flags (e.g. ``-mno-avx512bf16``: the path of CPUs without AVX512-BF16), run in the
-same rounds, so a kernel change is measured against what it replaces.
+Cases with a shared prefix map every sequence's first blocks onto the same ones;
+the C kernel then attends to them once per group of sequences on the tile unit
+(bf16 with AMX; docs/kernels.md).
+
+``--baseline-flags`` adds a column: the native kernel built with those extra
+compiler flags (e.g. ``-mno-avx512bf16``: the path of CPUs without AVX512-BF16;
+``-mno-amx-tile``: without the tile unit), run in the same rounds, so a kernel
+change is measured against what it replaces.
 """
 
 from __future__ import annotations
@@ -29,26 +34,33 @@ from kernels.extend_metadata import extend_metadata
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
-# (label, new tokens per sequence, context per sequence, sequences)
+# (label, new tokens per sequence, context per sequence, sequences, shared prefix tokens)
 CASES = [
-    ("decode", 1, 400, 8),
-    ("decode", 1, 1000, 16),
-    ("decode", 1, 1000, 1),
-    ("decode", 1, 4000, 1),
-    ("extend", 2, 600, 8),
-    ("extend", 4, 600, 8),
-    ("extend", 8, 600, 8),
-    ("extend", 16, 600, 8),
-    ("extend", 4, 1000, 1),
-    ("extend", 8, 1000, 1),
-    ("extend", 32, 600, 8),
-    ("extend", 32, 1000, 1),
-    ("extend", 48, 1000, 1),
+    ("decode", 1, 400, 8, 0),
+    ("decode", 1, 1000, 16, 0),
+    ("decode", 1, 1000, 16, 512),
+    ("decode", 1, 1500, 16, 512),
+    ("decode", 1, 1000, 1, 0),
+    ("decode", 1, 4000, 1, 0),
+    ("extend", 2, 600, 8, 0),
+    ("extend", 4, 600, 8, 0),
+    ("extend", 4, 600, 8, 512),
+    ("extend", 8, 600, 8, 0),
+    ("extend", 16, 600, 8, 0),
+    ("extend", 4, 1000, 1, 0),
+    ("extend", 8, 1000, 1, 0),
+    ("extend", 32, 600, 8, 0),
+    ("extend", 32, 1000, 1, 0),
+    ("extend", 48, 1000, 1, 0),
 ]
 
 
-def case_fns(q_len: int, context: int, batch: int, dtype: torch.dtype, baseline=None):
-    """The paths of one case by name; ``baseline``: a second native library, if any."""
+def case_fns(
+    q_len: int, context: int, batch: int, dtype: torch.dtype, baseline=None, shared: int = 0
+):
+    """The paths of one case by name; ``baseline``: a second native library, if any;
+    ``shared``: leading tokens (whole blocks) every sequence maps onto the same blocks,
+    as the prefix cache maps a common system prompt."""
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
     shape = (batch * per_seq + 1, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)
@@ -56,6 +68,7 @@ def case_fns(q_len: int, context: int, batch: int, dtype: torch.dtype, baseline=
     # Blocks in shuffled order, as a busy cache hands them out.
     order = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq)
     tables = order.to(torch.int32)
+    tables[:, : shared // BLOCK] = tables[0, : shared // BLOCK]
     starts = torch.arange(batch + 1, dtype=torch.int32) * q_len
     lens = torch.full((batch,), context, dtype=torch.int32)
     query = torch.randn(batch * q_len, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -98,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     baseline = None
-    head = "| step | new tokens | context | sequences | torch | native | native / torch |"
+    head = "| step | new tokens | context | sequences | shared | torch | native | native / torch |"
     if args.baseline_flags:
         flags = [*native.default_flags(), *args.baseline_flags.split()]
         baseline = native.load(native.build(native.default_compiler(), flags))
@@ -106,11 +119,13 @@ def main() -> None:
     print(f"dtype {dtype}, threads {torch.get_num_threads()}, ms per layer (median)\n")
     print(head)
     print("|---" * head.count(" |") + "|")
-    for label, q_len, context, batch in CASES:
-        ms = interleaved_medians(case_fns(q_len, context, batch, dtype, baseline), args.rounds)
+    for label, q_len, context, batch, shared in CASES:
+        fns = case_fns(q_len, context, batch, dtype, baseline, shared)
+        ms = interleaved_medians(fns, args.rounds)
         torch_ms, native_ms = ms["torch"] / LAYERS, ms["native"] / LAYERS
         row = (
-            f"| {label} | {q_len} | {context} | {batch} | {torch_ms:.3f} | {native_ms:.3f} "
+            f"| {label} | {q_len} | {context} | {batch} | {shared} | {torch_ms:.3f} "
+            f"| {native_ms:.3f} "
             f"| {native_ms / torch_ms:.2f} |"
         )
         if baseline is not None:

@@ -44,9 +44,23 @@ def test_cpu_attention_bench_times_two_paths_that_agree():
     assert_close(fns["native"](), fns["torch"](), torch.float32)
 
 
+def test_cpu_attention_bench_shared_prefix_cases_agree():
+    fns = cpu_attention.case_fns(1, 300, 6, torch.bfloat16, shared=128)
+    assert_close(fns["native"]().clone(), fns["torch"](), torch.bfloat16)
+
+
 def test_cpu_attention_bench_baseline_is_a_second_build_that_agrees(tmp_path, monkeypatch):
     monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
     baseline = native.load(native.build("gcc", [*native.default_flags(), "-O1"]))
     fns = cpu_attention.case_fns(3, 70, 2, torch.bfloat16, baseline)
     assert set(fns) == {"torch", "native", "baseline"}
     assert_close(fns["baseline"]().clone(), fns["native"](), torch.bfloat16)
+
+
+def test_linear_bench_layouts_compute_the_same_step():
+    from bench import linear
+
+    fns = linear.layout_fns(rows=5)
+    assert "onednn" in fns
+    if "tiles" in fns:
+        assert_close(fns["tiles"](), fns["onednn"](), torch.bfloat16)
