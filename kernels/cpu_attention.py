@@ -83,21 +83,45 @@ def paged_attention_native(
         raise ValueError("out must be a query-shaped tensor of the query's dtype")
     if seqs.numel() == 0:
         return
-    tables = block_tables.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    seqs = seqs.to(torch.int32).contiguous()
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    launch_attention(
+        lib,
+        query,
+        (k_cache.data_ptr(), v_cache.data_ptr()),
+        k_cache.stride()[:3],
+        k_cache.shape[1],
+        k_cache.shape[2],
+        block_tables.to(torch.int32).contiguous(),
+        query_start_loc.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(),
+        seqs.to(torch.int32).contiguous(),
+        scale,
+        out,
+    )
+
+
+def launch_attention(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    caches: tuple[int, int],
+    cache_strides: tuple[int, int, int],
+    block_size: int,
+    num_kv_heads: int,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The C call alone: caches by address (K, V) and their shared (block, slot, head)
+    strides in elements; the index tensors int32 and contiguous. ``kernels.step_kernels``
+    calls it with a step's index tensors converted once."""
     status = lib.chatsvc_paged_attention(
         query.data_ptr(),
         query.stride(0),
         query.stride(1),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *caches,
+        *cache_strides,
         out.data_ptr(),
         out.stride(0),
         out.stride(1),
@@ -107,9 +131,9 @@ def paged_attention_native(
         lens.data_ptr(),
         seqs.data_ptr(),
         seqs.numel(),
-        num_q_heads,
+        query.shape[1],
         num_kv_heads,
-        head_dim,
+        query.shape[2],
         block_size,
         NATIVE_Q_TILE,
         scale * math.log2(math.e),

@@ -6,6 +6,8 @@ On the native backend (``kernels.backend``) rows run through the C loop in
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -30,9 +32,19 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The C loop on rows of ``x`` (``[rows, hidden]``, unit stride along hidden)."""
-    lib = native.require()
+def rms_norm_native(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    lib: ctypes.CDLL | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """The C loop on rows of ``x`` (``[rows, hidden]``, unit stride along hidden).
+
+    ``lib`` / ``num_threads``: the library and team size, where the caller resolved
+    them once (``kernels.step_kernels``); default ``native.require()`` and torch's."""
+    lib = native.require() if lib is None else lib
     out = torch.empty(x.shape, dtype=x.dtype)
     weight = weight.contiguous()
     lib.chatsvc_rms_norm(
@@ -45,7 +57,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         x.shape[1],
         eps,
         native.DTYPE_CODES[x.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads() if num_threads is None else num_threads,
     )
     return out
 

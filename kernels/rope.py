@@ -6,6 +6,8 @@ elsewhere, and as its reference, ``x * cos + rotate_half(x) * sin`` in torch.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kernels import native
@@ -31,8 +33,16 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
     x.mul_(cos).addcmul_(rotated, sin)
 
 
-def apply_rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    lib = native.require()
+def apply_rope_native(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    lib: ctypes.CDLL | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """The C loop; ``lib`` / ``num_threads`` as in ``kernels.rms_norm.rms_norm_native``."""
+    lib = native.require() if lib is None else lib
     cos, sin = cos.contiguous(), sin.contiguous()
     lib.chatsvc_rope(
         x.data_ptr(),
@@ -44,7 +54,7 @@ def apply_rope_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
         cos.data_ptr(),
         sin.data_ptr(),
         native.DTYPE_CODES[x.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads() if num_threads is None else num_threads,
     )
 
 

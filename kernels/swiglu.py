@@ -6,6 +6,8 @@ elsewhere, and as its reference, ``F.silu(gate).mul_(up)``.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -18,8 +20,11 @@ def swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-def swiglu_native(gate_up: torch.Tensor) -> torch.Tensor:
-    lib = native.require()
+def swiglu_native(
+    gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None, num_threads: int | None = None
+) -> torch.Tensor:
+    """The C loop; ``lib`` / ``num_threads`` as in ``kernels.rms_norm.rms_norm_native``."""
+    lib = native.require() if lib is None else lib
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     lib.chatsvc_swiglu(
@@ -30,7 +35,7 @@ def swiglu_native(gate_up: torch.Tensor) -> torch.Tensor:
         rows,
         width // 2,
         native.DTYPE_CODES[gate_up.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads() if num_threads is None else num_threads,
     )
     return out
 

@@ -7,6 +7,8 @@ not stored (padding). The caches are one layer's strided views of the pool
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kernels import native
@@ -128,11 +130,35 @@ def write_kv_native(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> None:
-    """Row copies in C (``kernels/cpu_kv.c``), in place (inputs already checked)."""
-    lib = native.require()
+    """Row copies in C (``kernels/cpu_kv.c``), in place (inputs already checked).
+    ``lib``: the library where the caller resolved it once (default ``native.require()``)."""
     check_shared_strides(k_cache, v_cache)
-    slots = slot_mapping.to(torch.int64).contiguous()
+    launch_write_kv(
+        native.require() if lib is None else lib,
+        key,
+        value,
+        (k_cache.data_ptr(), v_cache.data_ptr()),
+        k_cache.stride()[:3],
+        slot_mapping.to(torch.int64).contiguous(),
+        k_cache.shape[1],
+    )
+
+
+def launch_write_kv(
+    lib: ctypes.CDLL,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    caches: tuple[int, int],
+    cache_strides: tuple[int, int, int],
+    slots: torch.Tensor,
+    block_size: int,
+) -> None:
+    """The C call alone: caches by address (K, V) and their shared (block, slot, head)
+    strides in elements; ``slots`` int64 and contiguous. ``kernels.step_kernels`` calls
+    it with a step's slots converted once."""
     lib.chatsvc_write_kv(
         key.data_ptr(),
         key.stride(0),
@@ -140,16 +166,13 @@ def write_kv_native(
         value.data_ptr(),
         value.stride(0),
         value.stride(1),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *caches,
+        *cache_strides,
         slots.data_ptr(),
         key.shape[0],
         key.shape[1],
         key.shape[2],
-        k_cache.shape[1],
+        block_size,
         key.element_size(),
     )
 

@@ -38,7 +38,7 @@ from kernels.backend import resolve_backend
 from kernels.cpu_attention import native_max_query, native_supports
 from kernels.extend_metadata import extend_metadata
 from kernels.kv_layout import KVShape
-from kernels.step_kernels import CheckedStep, NativeStep
+from kernels.step_kernels import CheckedStep, NativeStep, StepTensors
 from kernels.tile_linear import pack_tile_weight, tile_linear_available
 
 WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
@@ -181,13 +181,16 @@ class LlamaModel:
                 self.dtype,
                 native_max_query=native_max_query(self.dtype, c.head_dim) if native else 0,
             )
+        step = StepTensors(
+            kv_pool,
+            batch.slot_mapping,
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.context_lens,
+        )
         if native and self.bind_step_kernels:
             return NativeStep(
-                kv_pool,
-                batch.slot_mapping,
-                batch.block_tables,
-                batch.query_start_loc,
-                batch.context_lens,
+                step,
                 num_q_heads=c.num_heads,
                 scale=self.scale,
                 eps=c.rms_norm_eps,
@@ -196,11 +199,7 @@ class LlamaModel:
         if backend == "torch":
             write_index = step_metadata.write_index(batch.slot_mapping, kv_pool.shape[3])
         return CheckedStep(
-            kv_pool,
-            batch.slot_mapping,
-            batch.block_tables,
-            batch.query_start_loc,
-            batch.context_lens,
+            step,
             is_decode=batch.is_decode,
             max_query_len=batch.max_query_len,
             scale=self.scale,

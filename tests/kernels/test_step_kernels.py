@@ -12,7 +12,7 @@ from kernel_cases import make_paged_case, share_prefix
 from kernels import native
 from kernels.cpu_attention import native_max_query
 from kernels.extend_metadata import extend_metadata
-from kernels.step_kernels import CheckedStep, NativeStep
+from kernels.step_kernels import CheckedStep, NativeStep, StepTensors
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
 
@@ -44,14 +44,13 @@ def _step(dtype, q_lens, lens):
         dtype,
         native_max_query=native_max_query(dtype, HEAD_DIM),
     )
-    args = (case.pool, slots, case.block_tables, starts, case.context_lens)
+    step = StepTensors(case.pool, slots, case.block_tables, starts, case.context_lens)
     scale, eps = 1 / math.sqrt(HEAD_DIM), 1e-5
     bound = NativeStep(
-        *args, num_q_heads=NUM_KV_HEADS * GROUP, scale=scale, eps=eps, metadata=metadata
+        step, num_q_heads=NUM_KV_HEADS * GROUP, scale=scale, eps=eps, metadata=metadata
     )
     checked = CheckedStep(
-        case.pool.clone(),
-        *args[1:],
+        step._replace(kv_pool=case.pool.clone()),
         is_decode=False,
         max_query_len=max(q_lens),
         scale=scale,
@@ -88,7 +87,7 @@ def test_a_bound_step_equals_the_public_functions(dtype):
     for layer in (0, 1):
         bound.write_kv(layer, k, v)
         checked.write_kv(layer, k, v)
-        assert torch.equal(bound.kv_pool, checked.kv_pool)
+        assert torch.equal(bound.kv_pool, checked.step.kv_pool)
         assert torch.equal(bound.attention(layer, q), checked.attention(layer, q))
 
 
@@ -107,26 +106,19 @@ def test_a_bound_step_refuses_calls_of_another_shape():
 
 
 def test_binding_refuses_pools_the_c_kernels_do_not_take():
-    case, _, _ = _step(torch.bfloat16, [1, 1, 3, 40, 1], [130, 200, 99, 300, 17])
-    metadata = extend_metadata(
-        case.block_tables,
-        torch.tensor([0, 1, 2, 5, 45, 46], dtype=torch.int32),
-        case.context_lens,
-        BLOCK,
-        GROUP,
-        NUM_KV_HEADS * HEAD_DIM * 2,
-        torch.float16,
-    )
-    args = (torch.zeros(46, dtype=torch.long), case.block_tables)
+    case, bound, _ = _step(torch.bfloat16, [1, 1, 3, 40, 1], [130, 200, 99, 300, 17])
     starts = torch.tensor([0, 1, 2, 5, 45, 46], dtype=torch.int32)
+    step = StepTensors(
+        case.pool.half(), torch.zeros(46, dtype=torch.long), case.block_tables, starts,
+        case.context_lens,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="fp32/bf16"):
+        NativeStep(step, num_q_heads=9, scale=0.125, eps=1e-5, metadata=bound.metadata)
+    with pytest.raises(ValueError, match=r"\[B \+ 1\]"):
         NativeStep(
-            case.pool.half(),
-            *args,
-            starts,
-            case.context_lens,
+            step._replace(kv_pool=case.pool, query_start_loc=starts[:-1]),
             num_q_heads=9,
             scale=0.125,
             eps=1e-5,
-            metadata=metadata,
+            metadata=bound.metadata,
         )
