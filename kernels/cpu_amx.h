@@ -1,7 +1,7 @@
 /* The tile unit (AMX) for the C kernels that use it (kernels/cpu_attention.c,
  * kernels/cpu_linear.c): CHATSVC_AMX is defined where the build targets a CPU with
  * AMX-BF16 and AVX512-BF16, and the setup every thread does before its first tile
- * instruction. */
+ * instruction. `amx_usable()` exists in every build (0 without CHATSVC_AMX). */
 
 #ifndef CHATSVC_CPU_AMX_H
 #define CHATSVC_CPU_AMX_H
@@ -42,6 +42,11 @@ static void amx_configure(void) {
     }
     _tile_loadconfig(&cfg);
 }
+
+#else
+
+/* A build without the tile unit's instructions never uses it. */
+static inline int amx_usable(void) { return 0; }
 
 #endif
 #endif

@@ -821,6 +821,7 @@ typedef struct {
     int32_t target;        /* tokens it takes: its class's tokens spread evenly, <= cap */
 } SharedGroup;
 
+#if defined(CHATSVC_AMX)
 /* Number of leading equal block ids of two tables, at most `limit`. */
 static int32_t common_blocks(const int32_t *x, const int32_t *y, int32_t limit) {
     int32_t n = 0;
@@ -900,6 +901,7 @@ static int32_t plan_shared(const int32_t *block_tables, int64_t table_stride,
         if (group[s] >= 0) group[s] = scratch[group[s]];
     return kept;
 }
+#endif
 
 /* Attention of the new tokens of sequences `seqs[0..num_seqs)` (indices into the
  * batch); rows of other sequences in `out` are left untouched. Strides are in
@@ -1083,10 +1085,4 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
 /* 1 when runs of new tokens in bf16 (head size a multiple of 32) go through the tile
  * unit, 0 when they take the vector loops: the Python side routes longer runs here
  * in the first case (kernels/cpu_attention.py: native_max_query). */
-int chatsvc_attention_uses_tiles(void) {
-#if defined(CHATSVC_AMX)
-    return amx_usable();
-#else
-    return 0;
-#endif
-}
+int chatsvc_attention_uses_tiles(void) { return amx_usable(); }

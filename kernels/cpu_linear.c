@@ -185,10 +185,4 @@ int chatsvc_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_
 
 /* 1 where `chatsvc_linear` runs (a build for a CPU with AMX, and the kernel grants
  * the tile state), else 0. */
-int chatsvc_linear_uses_tiles(void) {
-#if defined(CHATSVC_AMX)
-    return amx_usable();
-#else
-    return 0;
-#endif
-}
+int chatsvc_linear_uses_tiles(void) { return amx_usable(); }
