@@ -164,7 +164,8 @@ int chatsvc_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_
             memset(dst, 0, (size_t)kp_len * 2);
         }
     }
-    /* A second thread pays for its wake-up only with enough columns to share. */
+    /* A second thread pays for its wake-up only with enough columns to share (8 blocks:
+     * a guess, not measured; every matrix of the models served here has 36 or more). */
     const int threads = nbs >= 8 ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
     {

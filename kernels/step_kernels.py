@@ -116,9 +116,8 @@ class NativeStep:
     Contract with the caller (the model): per layer it passes tensors of the
     shapes this step was built for, ``x`` / ``gate_up`` 2-D and ``query`` /
     ``key`` / ``value`` 3-D with unit stride on the last axis, in the pool's
-    dtype, and layer ids below the pool's layer count. The methods check row
-    counts, which keep a wrong call from addressing memory outside its tensors
-    through the index tensors.
+    dtype. The methods check row counts and layer ids, which keep a wrong call
+    from addressing memory outside its tensors through the index tensors.
     """
 
     def __init__(
@@ -133,8 +132,8 @@ class NativeStep:
         """step: bounds already checked by the caller; metadata: ``extend_metadata``
         of the same step with the native routing (``native_max_query``)."""
         pool = step.kv_pool
-        if pool.dim() != 6 or pool.shape[2] != 2:
-            raise ValueError("kv_pool must be [N, L, 2, block_size, H_kv, D]")
+        if pool.dim() != 6 or pool.shape[2] != 2 or pool.stride(5) != 1:
+            raise ValueError("kv_pool must be [N, L, 2, block_size, H_kv, D], unit stride on D")
         if not native_supports(pool.device, pool.dtype, pool.shape[5]):
             raise ValueError(
                 f"the native kernels take CPU fp32/bf16 pools with head_dim a multiple of 16 "
@@ -170,6 +169,8 @@ class NativeStep:
         self._cache_strides = (pool.stride(0), pool.stride(3), pool.stride(4))
 
     def _caches(self, layer: int) -> tuple[int, int]:
+        if not 0 <= layer < self.kv_pool.shape[1]:
+            raise ValueError(f"layer {layer} is outside the pool's {self.kv_pool.shape[1]}")
         k_ptr = self.kv_pool.data_ptr() + layer * self._layer_bytes
         return k_ptr, k_ptr + self._v_bytes
 

@@ -102,6 +102,11 @@ def test_a_bound_step_refuses_calls_of_another_shape():
         bound.write_kv(0, short[:, :3], short[:, :3])
     with pytest.raises(ValueError, match="46-token step"):
         bound.rope_(short, short[:, :1], short[:, :1])
+    full = torch.zeros(sum(q_lens), 9, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="outside the pool's 2"):
+        bound.attention(2, full)
+    with pytest.raises(ValueError, match="outside the pool's 2"):
+        bound.write_kv(-1, full[:, :3], full[:, :3])
     assert torch.equal(case.pool, before)
 
 
