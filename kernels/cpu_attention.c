@@ -920,7 +920,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     if (num_seqs <= 0) return 0;
     int amx_on = 0;
     int32_t num_groups = 0;
-    SharedGroup *groups = malloc(sizeof(SharedGroup) * num_seqs);
+    SharedGroup *groups = calloc((size_t)num_seqs, sizeof(SharedGroup));
     int32_t *group = malloc(sizeof(int32_t) * num_seqs);
     int32_t *scratch_ids = malloc(sizeof(int32_t) * num_seqs);
     if (!groups || !group || !scratch_ids) {
@@ -972,7 +972,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     Tile *tiles = malloc(sizeof(Tile) * (num_tiles + 1));
     int64_t *parts = malloc(sizeof(int64_t) * (num_tiles * (want + 1) + 1));
     int32_t *shared_tokens = malloc(sizeof(int32_t) * (num_tokens + 1));
-    int64_t *shared_offset = malloc(sizeof(int64_t) * (num_groups + 1));
+    int64_t *shared_offset = calloc((size_t)num_groups + 1, sizeof(int64_t));
     if (!items || !tiles || !parts || !shared_tokens || !shared_offset) {
         free(items);
         free(tiles);
