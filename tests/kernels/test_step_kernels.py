@@ -9,12 +9,9 @@ import pytest
 import torch
 from kernel_cases import make_paged_case, share_prefix
 
-from kernels import native
 from kernels.cpu_attention import native_max_query
 from kernels.extend_metadata import extend_metadata
 from kernels.step_kernels import CheckedStep, NativeStep, StepTensors
-
-pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 from kernel_cases import assert_close
 
-from kernels import native
 from kernels.tile_linear import (
     pack_tile_weight,
     tile_linear,
@@ -15,7 +14,16 @@ from kernels.tile_linear import (
 )
 
 TILES = tile_linear_available("cpu", torch.bfloat16)
-needs_tiles = pytest.mark.skipif(not TILES, reason="this CPU has no tile unit (AMX)")
+
+
+def _refused_without_tiles(x, weight) -> bool:
+    """On a CPU without the tile unit the kernel refuses to run (True: nothing more to
+    check here); with one, False."""
+    if TILES:
+        return False
+    with pytest.raises(RuntimeError, match="no tile unit"):
+        tile_linear(x, weight)
+    return True
 
 
 def _inputs(m, n, k, seed=0):
@@ -29,9 +37,6 @@ def _inputs(m, n, k, seed=0):
 
 def test_the_packed_layout_is_the_tile_units_b_operand():
     # Pure C, on every CPU: element (n, k) of W lands where the layout comment says.
-    lib = native.library()
-    if lib is None:
-        pytest.skip("no C compiler here")
     n, k = 20, 70  # two column blocks, three 32-deep steps, both padded
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k).bfloat16()
     packed = pack_tile_weight(w).packed
@@ -44,22 +49,24 @@ def test_the_packed_layout_is_the_tile_units_b_operand():
     assert packed[((1 * kbs + 2) * 16 + 15) * 32 + 2 * 15 + 1] == 0
 
 
-@needs_tiles
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 100])
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (20, 70), (16 * 9, 32)])
 def test_tile_linear_matches_its_twin(m, n, k):
     x, w, bias, residual = _inputs(m, n, k)
     weight = pack_tile_weight(w)
+    if _refused_without_tiles(x, weight):
+        return
     for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
         got = tile_linear(x, weight, b, r)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
         assert_close(got, tile_linear_reference(x, w, b, r), torch.bfloat16)
 
 
-@needs_tiles
 def test_strided_rows_and_an_empty_batch():
     x, w, _, residual = _inputs(12, 64, 96)
     weight = pack_tile_weight(w)
+    if _refused_without_tiles(x, weight):
+        return
     wide = torch.zeros(12, 200, dtype=torch.bfloat16)
     wide[:, 50:146] = x
     res_wide = torch.zeros(12, 100, dtype=torch.bfloat16)
@@ -73,8 +80,6 @@ def test_bad_input_is_refused_before_any_work():
     x, w, bias, residual = _inputs(4, 32, 64)
     with pytest.raises(ValueError, match="2-D bf16"):
         pack_tile_weight(w.float())
-    if native.library() is None:
-        return
     weight = pack_tile_weight(w)
     with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
         tile_linear(x[:, :32], weight)
@@ -84,3 +89,22 @@ def test_bad_input_is_refused_before_any_work():
         tile_linear(x, weight, bias[:31])
     with pytest.raises(ValueError, match=r"residual must be \[4, 32\]"):
         tile_linear(x, weight, None, residual[:3])
+
+
+def test_a_build_without_the_tile_unit_refuses(tmp_path, monkeypatch):
+    """What a CPU without AMX gets (on x86, a build without its instructions): the
+    kernel reports no tiles and returns -1, writing nothing; packing still works."""
+    import platform
+
+    from kernels import native
+
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    flags = ["-mno-amx-tile"] if platform.machine() == "x86_64" else []
+    lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
+    assert lib.chatsvc_linear_uses_tiles() == 0
+    x, w, _, _ = _inputs(4, 32, 64)
+    weight = pack_tile_weight(w)
+    out = torch.full((4, 32), 7.0, dtype=torch.bfloat16)
+    args = (x.data_ptr(), 64, 4, weight.packed.data_ptr(), 32, 64, None, None, 0)
+    assert lib.chatsvc_linear(*args, out.data_ptr(), 32, 1) == -1
+    assert bool((out == 7.0).all())
