@@ -5,9 +5,10 @@
 One embedded Redis (AOF, fsync always) is started by this script and outlives
 every service process. Each round: the conversations stream turns; once at
 least one stream is mid-generation, the service is killed after a random
-delay; Redis is then checked against what the clients saw (bench/reliability/
-history.py), and the service is started again on the same Redis. At the end
-every conversation takes one more turn. Exit status 1 if any check failed.
+delay (at the next delta if that moment falls between turns); Redis is then
+checked against what the clients saw (bench/reliability/history.py), and the
+service is started again on the same Redis. At the end every conversation takes
+one more turn. Exit status 1 if any check failed.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ async def _converse(http, conv, rng, max_tokens, delta_seen, report, stop) -> No
             report.problems.append(f"{conv.log.session_id}: stream ended without done: {outcome}")
 
 
+# How long a kill waits for some stream to be mid-generation after its delay.
+MID_STREAM_WAIT_S = 10.0
+
+
 async def _round(server, convs, rng, args, report) -> None:
     delta_seen, stop = asyncio.Event(), asyncio.Event()
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -136,6 +141,12 @@ async def _round(server, convs, rng, args, report) -> None:
         ]
         await delta_seen.wait()
         await asyncio.sleep(rng.uniform(0, args.max_delay_s))
+        # The delay picks the moment; if it falls between two turns of every
+        # conversation (a reply done, the next not yet streaming), kill at the next
+        # delta instead: a kill mid-generation is the case the check is about.
+        deadline = time.monotonic() + MID_STREAM_WAIT_S
+        while not any(c.mid_stream for c in convs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         report.streams_mid_generation_at_kill.append(sum(c.mid_stream for c in convs))
         await asyncio.to_thread(server.kill)
         report.kills += 1
