@@ -14,6 +14,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 
 FinishReason = Literal["stop", "length", "abort"]
+CACHE_TIERS = ("device", "host", "disk")
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,11 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Per-sample figures, reported on the last delta of each sample index."""
+    """Per-sample figures, reported on the last delta of each sample index.
+
+    ``cached_tokens_by_tier`` splits ``cached_prompt_tokens`` by where the blocks
+    were found (CACHE_TIERS: "device", "host", "disk").
+    """
 
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -110,6 +115,7 @@ class RequestMetrics:
     ttft_s: float
     tpot_s: float
     latency_s: float
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,16 @@ class ModelRunner:
             if num_host_blocks
             else None
         )
+        # Set by the disk tier (chatsvc.engine.kv_disk): copy blocks a plan drops
+        # from memory out before the plan reuses them, and start the step's disk
+        # loads once its plans have run.
+        self.store_blocks = None
+        self.after_plans = None
 
     def execute_plan(self, plan: CachePlan) -> None:
         """Run one plan's copies in the order the cache requires."""
+        if plan.stores and self.store_blocks is not None:
+            self.store_blocks(plan.stores)
         if plan.swap_out or plan.swap_in:
             if self.host_pool is None:
                 raise RuntimeError("the cache planned a host swap but there is no host pool")
@@ -56,6 +63,8 @@ class ModelRunner:
         """Run a step; returns the completing sequences and their logits ``[N, vocab]`` (fp32)."""
         for plan in out.plans:
             self.execute_plan(plan)
+        if self.after_plans is not None:
+            self.after_plans(out)
         if not out.scheduled:
             return [], None
         token_ids, num_computed, slots, tables = [], [], [], []
