@@ -101,9 +101,17 @@ def _local_key(settings: Settings) -> str:
 
 
 def build_engine(settings: Settings) -> Any:
+    from dataclasses import replace
+
     from chatsvc.engine import AsyncEngine, EngineConfig
 
-    config = settings.engine if settings.engine is not None else EngineConfig.from_env()
+    config = settings.engine
+    if config is None:
+        config = EngineConfig.from_env()
+        if config.kv_disk_dir is None:
+            # The disk KV tier is on by default, beside the embedded Redis's data, so a
+            # restarted service finds its sessions' KV again ($CHATSVC_KV_DISK_DIR moves it).
+            config = replace(config, kv_disk_dir=str(settings.redis_dir().parent / "kv"))
     return AsyncEngine(config)
 
 
@@ -144,6 +152,7 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         services.engine_started = True
         stack.push_async_callback(engine.stop)
         services.metrics.sample_tiers_with(lambda: tier_usage(engine.cache_stats()))
+        services.metrics.sample_tier_traffic_with(engine.cache_stats)
         yield services
         services.engine_started = False
 
@@ -154,7 +163,7 @@ def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
     A device block is occupied when referenced or holding cached data (not free).
     """
     usage = {}
-    for tier in ("device", "host"):
+    for tier in ("device", "host", "disk"):
         info = stats.get(tier)
         if isinstance(info, dict) and "total" in info:
             total = int(info["total"])
