@@ -198,6 +198,32 @@ class LoadJob:
         self.stream.synchronize()
 
 
+class PrefetchJob:
+    """Ask the kernel to start reading a request's block files now, all at once.
+
+    The loads then run one after another on one thread, but their data is
+    already on its way: the disk sees many reads in flight, not one at a time.
+    """
+
+    kind = "prefetch"
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+
+    def run(self) -> None:
+        for path in self.paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # the load reports it
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
 class DeleteJob:
     """Delete block files (a missing one is fine)."""
 

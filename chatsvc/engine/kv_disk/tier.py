@@ -41,7 +41,14 @@ from cache.plan import BlockStore
 from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock, block_bytes
 from chatsvc.engine.kv_disk.directory import TierDirectory
 from chatsvc.engine.kv_disk.fileformat import CORRUPT, FOREIGN, OK, BlockMeta, header_len
-from chatsvc.engine.kv_disk.jobs import MISSING, BarrierJob, DeleteJob, LoadJob, WriteJob
+from chatsvc.engine.kv_disk.jobs import (
+    MISSING,
+    BarrierJob,
+    DeleteJob,
+    LoadJob,
+    PrefetchJob,
+    WriteJob,
+)
 from chatsvc.engine.kv_disk.stats import DiskStats
 from chatsvc.engine.kv_disk.worker import IOWorker
 
@@ -169,6 +176,7 @@ class DiskTier:
         for seq, loads in out.loads:
             state = _Loading(seq, len(loads))
             self._loading[seq.seq_id] = state
+            jobs = []
             for i, load in enumerate(loads):
                 entry = self.index.entries.get(load.hash)
                 if entry is None:
@@ -189,6 +197,10 @@ class DiskTier:
                     job = LoadJob(
                         seq.seq_id, i, load, path, dest, self.fingerprint, self.block_nbytes
                     )
+                jobs.append(job)
+            if len(jobs) > 1:
+                self.worker.submit_urgent(PrefetchJob([job.path for job in jobs]))
+            for job in jobs:
                 self.worker.submit_urgent(job)
             if state.remaining == 0:
                 self._unsubmitted.append(state)
@@ -224,11 +236,15 @@ class DiskTier:
                 continue
             pool = self.kv_pool if store.location == "device" else self.host_pool
             source = block_bytes(pool, store.block_id)
-            buffer.tensor.copy_(source, non_blocking=source.is_cuda)
             ready = None
             if source.is_cuda:
+                buffer.tensor.copy_(source, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()
+            else:
+                # A plain memcpy: a torch copy this size wakes its OpenMP team, whose
+                # spinning workers then starve the I/O thread on a small machine.
+                buffer.view[:] = memoryview(source.numpy())
             meta = BlockMeta(store.hash, store.parent_hash, store.owner, store.shared)
             job = WriteJob(
                 self.directory.block_path(meta),
