@@ -45,7 +45,7 @@ def persist(mgr, disk, stores):
     for store in stores:
         reservation = disk.reserve(store.hash, store.parent_hash, store.owner, store.shared)
         if reservation.granted:
-            assert disk.finish_write(store.hash, 5000.0, ok=True)
+            assert disk.finish_write(store.hash, mgr._clock(), ok=True)
 
 
 def run_prompt(mgr, seq_id, tokens, ns=TENANT, owner=b""):
@@ -317,3 +317,37 @@ def test_public_key_marks_shared_blocks_in_stores():
     stores = mgr.take_stores()
     assert [s.shared for s in stores] == [True, False]
     assert PUBLIC_KEY == shared.key(0, BS)
+
+
+# -- session-aware recency ------------------------------------------------------------------
+
+
+def test_eviction_follows_the_last_activity_of_the_sessions_using_a_block():
+    mgr = KVCacheManager(6, block_size=BS, debug_checks=True)
+    old = list(range(8))  # session A: two blocks, computed first
+    run_prompt(mgr, "a1", old)
+    mgr.free("a1")
+    run_prompt(mgr, "b1", list(range(50, 58)))  # session B: computed later, then idle
+    mgr.free("b1")
+    run_prompt(mgr, "a2", old + [9, 9, 9, 9, 1])  # A is active again: its chain is touched
+    mgr.free("a2")
+    mgr.allocate("x", list(range(90, 102)), TENANT)  # one block is free: two must go
+    # B's blocks are older than A's first block by creation, but A was used since.
+    assert mgr.num_matched_tokens(old + [9, 9, 9, 9, 1], TENANT) == 12
+    assert mgr.num_matched_tokens(list(range(50, 59)), TENANT) == 0
+    mgr.check_integrity()
+
+
+def test_memory_hits_refresh_the_disk_copies_so_an_active_session_stays_on_disk():
+    mgr, disk = make(num_blocks=32, budget_blocks=4)
+    a, b = list(range(8)), list(range(50, 58))
+    run_prompt(mgr, "a1", a)
+    persist(mgr, disk, mgr.take_stores())  # A's two blocks, written first
+    run_prompt(mgr, "b1", b)
+    persist(mgr, disk, mgr.take_stores())  # B's two blocks
+    mgr.free("a1")
+    mgr.free("b1")
+    run_prompt(mgr, "a2", a + [1])  # a hit in memory: A's disk copies become recent too
+    evicted = disk.reserve(h(77), ROOT_HASH, b"", False).evicted
+    assert [e.hash for e in evicted] == chain_hashes(b)[1:]  # B's leaf, not A's
+    disk.check()
