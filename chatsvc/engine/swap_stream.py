@@ -8,11 +8,9 @@ Ordering is kept with stream dependencies, not host syncs:
 A swap-out reads a block the earlier kernels wrote, and a swap-in may fill a
 block they last read, so the copies wait for the compute queued before them;
 this step's kernels, which read swapped-in blocks, wait for the copies. The
-host thread never blocks: it goes on building the step's batch while the copy
-engine moves the blocks, and compute kernels of earlier steps still running
-are overlapped by nothing but the copies' own queueing. Tensors used on the
-swap stream are recorded on it, so the caching allocator cannot hand their
-memory out while a copy still reads them.
+host thread never waits: it goes on building and launching the step while the
+copy engine moves the blocks. ``pairs`` is recorded on the swap stream, so the
+caching allocator cannot reuse its memory while a copy still reads it.
 """
 
 from __future__ import annotations

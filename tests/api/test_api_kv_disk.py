@@ -114,8 +114,8 @@ def test_usage_admin_and_metrics_show_each_tier(acme, admin):
     assert second["usage"]["cached_tokens_by_tier"]["device"] > 0
     disk = settled(admin)
     assert disk["stored_blocks"] > 0 and 0 < disk["used_bytes"] <= disk["budget_bytes"]
-    assert set(disk["dropped_blocks"]) == {"corrupt", "foreign", "budget", "queue_full",
-                                           "write_error"}  # fmt: skip
+    reasons = {"corrupt", "foreign", "budget", "queue_full", "write_error"}
+    assert set(disk["dropped_blocks"]) == reasons
     engine = admin.get("/admin/cache").json()["engine"]
     assert set(engine["hit_tokens_by_tier"]) == {"device", "host", "disk"}
     after = samples(admin.get("/metrics").text)

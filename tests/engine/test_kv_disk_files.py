@@ -52,8 +52,8 @@ def _write(directory: TierDirectory, pool: torch.Tensor, block: int = 1) -> Path
     return path
 
 
-def _load(path: Path, pool: torch.Tensor, block: int = 2, tokens=TOKENS, ns_key=NS_KEY,
-          fingerprint=FP) -> str:  # fmt: skip
+def _load(path: Path, pool: torch.Tensor, tokens=TOKENS, ns_key=NS_KEY, fingerprint=FP) -> str:
+    block = 2
     load = DiskLoad(0, block, HASH, ROOT_HASH, tokens, ns_key)
     nbytes = pool[0].numel() * pool.element_size()
     job = LoadJob("seq", 0, load, path, PoolBlock(pool, block), fingerprint, nbytes)

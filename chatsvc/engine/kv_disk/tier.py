@@ -188,10 +188,17 @@ class DiskTier:
                 path = self.directory.block_path(meta)
                 if self.cuda:
                     job = LoadJob(
-                        seq.seq_id, i, load, path, self._staging, self.fingerprint,
-                        self.block_nbytes, block_bytes(self.kv_pool, load.device_block),
-                        ready, self._copy_stream,
-                    )  # fmt: skip
+                        seq.seq_id,
+                        i,
+                        load,
+                        path,
+                        self._staging,
+                        self.fingerprint,
+                        self.block_nbytes,
+                        device_block=block_bytes(self.kv_pool, load.device_block),
+                        ready=ready,
+                        stream=self._copy_stream,
+                    )
                 else:
                     dest = PoolBlock(self.kv_pool, load.device_block)
                     job = LoadJob(
