@@ -20,7 +20,31 @@ from chatsvc.store.records import SessionRecord, TenantRecord
 log = logging.getLogger(__name__)
 
 
-async def forget_session_kv(services: Services, tenant: TenantRecord, session: SessionRecord):
+async def delete_session_and_kv(services: Services, tenant: TenantRecord, session_id: str) -> bool:
+    """Delete the session from the store, then its KV; False when there is no such session.
+
+    What the session shares with the tenant's other sessions is measured before
+    anything is deleted, so a store error (503) leaves both the session and its
+    KV in place for a retry.
+    """
+    from chatsvc.api.turn import get_session
+
+    session = await get_session(services, tenant, session_id)
+    if session is None:
+        return False
+    keep = await shared_with_other_sessions(services, tenant, session)
+    try:
+        deleted = await services.store.delete_session(tenant.id, session_id)
+    except ValueError:
+        deleted = False
+    if deleted:
+        await forget_session_kv(services, tenant, session, keep)
+    return deleted
+
+
+async def forget_session_kv(
+    services: Services, tenant: TenantRecord, session: SessionRecord, keep_tokens: int = 0
+):
     """Remove the session's blocks from every tier; returns counts per tier (or None)."""
     from chatsvc.engine.errors import EngineStoppedError
 
@@ -34,9 +58,8 @@ async def forget_session_kv(services: Services, tenant: TenantRecord, session: S
             system = None
     tokens = list(session.token_ids)
     namespace = gen.namespace_for(tenant, gen.shared_prefix_len(tokens, system))
-    keep = await shared_with_other_sessions(services, tenant, session)
     try:
-        counts = await services.engine.forget_session(session.id, tokens, namespace, keep)
+        counts = await services.engine.forget_session(session.id, tokens, namespace, keep_tokens)
     except EngineStoppedError:
         log.warning("session %s deleted while the engine was stopped; its KV was not", session.id)
         return None

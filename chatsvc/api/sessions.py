@@ -14,7 +14,7 @@ from chatsvc.api.errors import (
     documented_errors,
 )
 from chatsvc.api.schemas import CreateSession, SessionList, SessionView
-from chatsvc.api.session_kv import forget_session_kv
+from chatsvc.api.session_kv import delete_session_and_kv
 from chatsvc.api.turn import UNKNOWN_SESSION, get_session
 from chatsvc.store.records import SessionRecord
 
@@ -113,15 +113,8 @@ class SessionController(Controller):
         self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> None:
         """Delete the session's keys, then its KV blocks in every tier (files included)."""
-        session = await get_session(services, tenant, session_id)
-        try:
-            deleted = await services.store.delete_session(tenant.id, session_id)
-        except ValueError:
-            deleted = False
-        if not deleted:
+        if not await delete_session_and_kv(services, tenant, session_id):
             raise NotFoundError(UNKNOWN_SESSION)
-        if session is not None:
-            await forget_session_kv(services, tenant, session)
 
 
 async def _system_prompt(services: ServicesDep, tenant: TenantDep, prompt_id: str):

@@ -228,6 +228,10 @@ class DiskTier:
     def store_blocks(self, stores: list[BlockStore] | tuple[BlockStore, ...]) -> None:
         """Snapshot blocks and queue their writes; drops what cannot be stored now."""
         index = self.index
+        if self.cuda and any(store.location == "host" for store in stores):
+            # Pinned host blocks may still be landing from an earlier swap-out on the
+            # swap stream (the compute stream waits for it): read them once it is done.
+            torch.cuda.current_stream(self.kv_pool.device).synchronize()
         for store in stores:
             if self._paused_until is not None and self.clock() < self._paused_until:
                 self.stats.dropped["write_error"] += 1
