@@ -62,8 +62,11 @@ def engine_config():
 
 
 @contextlib.contextmanager
-def start_server(redis_url: str, limits: Limits = RELIABILITY_LIMITS) -> Iterator[ThreadServer]:
-    """A live in-process server on its own key prefix (``server.prefix``)."""
+def start_server(
+    redis_url: str, limits: Limits = RELIABILITY_LIMITS, engine=None
+) -> Iterator[ThreadServer]:
+    """A live in-process server on its own key prefix (``server.prefix``); ``engine``
+    replaces the default ``engine_config()``."""
     from chatsvc.api.app import create_app
 
     prefix = unique_prefix("rel")
@@ -73,7 +76,7 @@ def start_server(redis_url: str, limits: Limits = RELIABILITY_LIMITS) -> Iterato
         admin_key=ADMIN_KEY,
         api_keys=tuple(TENANT_KEYS.items()),
         limits=limits,
-        engine=engine_config(),
+        engine=engine_config() if engine is None else engine,
     )
     with ThreadServer(create_app(settings)) as server:
         server.prefix = prefix
