@@ -9,18 +9,15 @@ sequences (``max_num_seqs``). Order of business:
    prefill: a long prompt advances a chunk per step between decodes).
 3. Admission: waiting sequences join while budget, sequence slots and blocks
    last. ``allocate`` maps the longest cached prefix first, so only the
-   uncached suffix is computed. Between tenants it is fair: the next
-   candidate comes from the waiting tenant that holds the fewest sequence
-   slots, so one tenant's long queue cannot keep another one out, and a
-   tenant is admitted while another waits only if it holds no more slots than
-   that one. Within a tenant the order is: re-queued preempted sequences, then
-   those waiting past the age bound (FIFO), then the longest cached prefix
-   first. Admission stops at the first candidate that does not fit, so a big
-   request is not overtaken forever by small ones.
-   Slots: a request with ``n`` samples counts as ``n`` from its admission on
-   (its children fork from it once the prompt is computed), so ``max_num_seqs``
-   bounds the sequences that run, forks included; a request whose ``n``
-   exceeds it runs alone rather than never.
+   uncached suffix is computed. Between tenants it is fair (``fairness.py``):
+   the next candidate comes from the waiting tenant holding the fewest
+   sequence slots. Within a tenant the order is: re-queued preempted
+   sequences, then those waiting past the age bound (FIFO), then the longest
+   cached prefix first. Admission stops at the first candidate that does not
+   fit, so a big request is not overtaken forever by small ones. A request
+   with ``n`` samples holds ``n`` slots from its admission on, so
+   ``max_num_seqs`` bounds the running sequences, forks included; a request
+   whose ``n`` exceeds it runs alone rather than never.
 4. Deferral for in-flight prefixes: a candidate whose prefix continues
    through blocks another sequence is computing right now (``pending`` in the
    cache, e.g. 16 conversations opening at once with one system prompt) is
@@ -53,6 +50,7 @@ from dataclasses import dataclass, field
 from cache import CachePlan, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.errors import RequestTooLargeError
+from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
@@ -225,19 +223,13 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         if budget == 0 or not self.waiting:
             return
-        loads = self._tenant_loads()
-        num_slots = sum(loads.values())
-        queues = self._tenant_queues()
-        while queues and budget > 0:
-            # Fairness: the tenant holding the fewest slots goes next; on a tie, the
-            # one whose candidate comes first in the order of _ranked_waiting.
-            tenant = min(queues, key=lambda t: (loads.get(t, 0), queues[t][0][0]))
-            _, seq, may_defer = queues[tenant].popleft()
-            if not queues[tenant]:
-                del queues[tenant]
-            cost = _slots_of(seq)
+        urgent, ranked = self._ranked_waiting()
+        candidates = [(seq, False) for seq in urgent] + [(seq, True) for seq in ranked]
+        queue = FairQueue(candidates, self.running)
+        while queue and budget > 0:
+            seq, may_defer = queue.pop()
             # A request with n above the cap still runs, alone, rather than never.
-            if num_slots and num_slots + cost > self.config.max_num_seqs:
+            if queue.num_slots and queue.num_slots + slots_of(seq) > self.config.max_num_seqs:
                 break
             # Measured again: an admission just before may have changed what is cached.
             match = self.cache.match_prefix(seq.token_ids(), seq.request.namespace)
@@ -271,29 +263,10 @@ class Scheduler:
             seq.num_computed_tokens = result.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            loads[tenant] = loads.get(tenant, 0) + cost
-            num_slots += cost
+            queue.admit(seq)
             chunk = min(seq.num_tokens_to_compute, budget)
             out.scheduled.append(ScheduledSequence(seq, chunk, self._prefill_slots(seq, chunk)))
             budget -= chunk
-
-    def _tenant_loads(self) -> dict[str, int]:
-        """Sequence slots each tenant's running sequences hold, forks still to come included."""
-        loads: dict[str, int] = {}
-        for seq in self.running:
-            tenant = tenant_of(seq)
-            loads[tenant] = loads.get(tenant, 0) + _slots_of(seq)
-        return loads
-
-    def _tenant_queues(self) -> dict[str, deque[tuple[int, Sequence, bool]]]:
-        """Each tenant's admission candidates as (global position, sequence, may_defer),
-        in the order of ``_ranked_waiting``; deferral is only for the ranked ones."""
-        urgent, ranked = self._ranked_waiting()
-        candidates = [(seq, False) for seq in urgent] + [(seq, True) for seq in ranked]
-        queues: dict[str, deque[tuple[int, Sequence, bool]]] = {}
-        for position, (seq, may_defer) in enumerate(candidates):
-            queues.setdefault(tenant_of(seq), deque()).append((position, seq, may_defer))
-        return queues
 
     def _ranked_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
         """Waiting sequences in admission order: (urgent, the rest ranked).
@@ -322,17 +295,3 @@ class Scheduler:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
-
-
-def tenant_of(seq: Sequence) -> str:
-    """Whose sequence this is, for fairness: the request's tenant label, else its
-    cache namespace's label (both are the tenant id where the API builds requests)."""
-    return seq.request.labels.get("tenant") or seq.request.namespace.label
-
-
-def _slots_of(seq: Sequence) -> int:
-    """Sequence slots ``seq`` takes: a first sample whose prompt is not computed yet
-    will fork into ``n`` samples, so it counts as all of them."""
-    if seq.sample_index == 0 and not seq.output_token_ids:
-        return seq.request.sampling.n
-    return 1
