@@ -20,6 +20,11 @@ ENV_PREFIX = "CHATSVC_"
 LOCAL_TENANT = "local"
 # The store's key names allow only these characters.
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Names a local-mode server answers to by default (any port): a page that
+# rebinds its own DNS name to 127.0.0.1 still sends its own name as Host.
+LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]")
+# A DNS name or an IPv4 address (no port, no path); IPv6 literals are checked apart.
+_HOST_NAME_RE = re.compile(r"^[a-z0-9_]([a-z0-9_.-]{0,251}[a-z0-9_])?$")
 
 
 class SettingsError(ValueError):
@@ -36,7 +41,7 @@ class Limits:
     max_n: int = 8
     max_sessions_per_tenant: int = 10_000
     max_streams_per_tenant: int = 8
-    # Seconds a request body may stall between chunks before 408 (slow-loris guard).
+    # Seconds the whole request body may take to arrive before 408 (slow-loris guard).
     body_read_timeout_s: int = 30
 
     def validate(self) -> None:
@@ -53,6 +58,10 @@ class Settings:
     service is a local single-user tool: it serves one tenant without auth and
     refuses any host that is not a loopback address (anyone who can reach the
     port could otherwise use it).
+
+    ``allowed_hosts`` are the names a request's ``Host`` header may carry (any
+    port). Empty = the default: loopback names in local mode, any name with keys.
+    ``("*",)`` turns the check off, which local mode refuses.
     """
 
     host: str = "127.0.0.1"
@@ -67,6 +76,7 @@ class Settings:
     turn_lock_ttl_s: int = 30
     admin_key: str | None = None
     api_keys: tuple[tuple[str, str], ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     # Opt-in debugging aid: log prompt and completion text (off: lengths only).
     log_text: bool = False
@@ -76,6 +86,20 @@ class Settings:
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys)
+
+    def host_allow_list(self) -> frozenset[str] | None:
+        """The ``Host`` names served (lower case, IPv6 in brackets); None = any name.
+
+        The bind host is always on the list, so a server bound to a name answers to it.
+        """
+        names = tuple(normalize_host_name(name) for name in self.allowed_hosts)
+        if "*" in names:
+            return None
+        if not names:
+            if self.auth_enabled:
+                return None
+            names = LOOPBACK_HOST_NAMES
+        return frozenset((*names, normalize_host_name(self.host)))
 
     def redis_dir(self) -> Path:
         """Where the embedded server keeps its append-only file when no URL is set."""
@@ -107,6 +131,17 @@ class Settings:
         if self.admin_key is not None and self.admin_key in keys:
             raise SettingsError("the admin key must differ from every tenant key")
         self.limits.validate()
+        for name in self.allowed_hosts:
+            if name != "*" and not is_valid_host_name(normalize_host_name(name)):
+                raise SettingsError(
+                    f"allowed host {name!r} is not a host name or IP address "
+                    "(list names without a port: every port is accepted)"
+                )
+        if not self.auth_enabled and "*" in self.allowed_hosts:
+            raise SettingsError(
+                "CHATSVC_ALLOWED_HOSTS=* needs CHATSVC_API_KEYS: without keys, any web page "
+                "could drive the service through DNS rebinding"
+            )
         if not self.auth_enabled and not is_loopback(self.host):
             raise SettingsError(
                 f"refusing to bind {self.host!r} without API keys: set CHATSVC_API_KEYS "
@@ -145,6 +180,7 @@ class Settings:
             turn_lock_ttl_s=_parse_int(ENV_PREFIX + "TURN_LOCK_TTL_S", get("TURN_LOCK_TTL_S"), 30),
             admin_key=get("ADMIN_KEY"),
             api_keys=parse_api_keys(get("API_KEYS") or ""),
+            allowed_hosts=_parse_list(get("ALLOWED_HOSTS")),
             limits=limits,
             log_text=_parse_bool(ENV_PREFIX + "LOG_TEXT", get("LOG_TEXT")),
         ).validate()
@@ -163,6 +199,28 @@ def parse_api_keys(spec: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def normalize_host_name(name: str) -> str:
+    """``name`` as it is compared with a Host header: lower case, IP addresses in their
+    canonical form, an IPv6 address in brackets (as it appears in a Host header)."""
+    name = name.strip().lower()
+    inner = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    try:
+        address = ipaddress.ip_address(inner)
+    except ValueError:
+        return name
+    return f"[{address.compressed}]" if address.version == 6 else str(address)
+
+
+def is_valid_host_name(name: str) -> bool:
+    """True for a normalized DNS name, IPv4 address or bracketed IPv6 address."""
+    if name.startswith("[") and name.endswith("]"):
+        try:
+            return ipaddress.ip_address(name[1:-1]).version == 6
+        except ValueError:
+            return False
+    return bool(_HOST_NAME_RE.match(name))
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -170,6 +228,11 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _parse_list(raw: str | None) -> tuple[str, ...]:
+    """A comma-separated list; blank entries are skipped."""
+    return tuple(filter(None, (item.strip() for item in (raw or "").split(","))))
 
 
 def _parse_bool(name: str, raw: str | None) -> bool:

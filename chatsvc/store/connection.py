@@ -20,6 +20,8 @@ from chatsvc.store.errors import StoreUnavailableError
 # Failures that mean "the server is not there or not answering", as opposed to
 # a command error (wrong type, script error) that is a bug and should surface.
 _TRANSPORT_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, TimeoutError, OSError)
+# Query parameters of a Redis URL that carry a secret.
+_SECRET_PARAMS = frozenset({"password", "ssl_password"})
 
 
 def make_client(
@@ -46,11 +48,28 @@ def make_client(
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password, fit for error messages and logs."""
+    """``url`` without its credentials, fit for logs.
+
+    redis-py takes a password in the user-info part (``redis://user:pass@host``,
+    ``unix://:pass@/path``) and as a query parameter (``?password=``); both are
+    masked, whatever the scheme (redis, rediss, unix). Everything up to the last
+    ``@`` counts as user info, so a password holding ``?``, ``/`` or ``@`` is
+    masked whole (at worst with more of the URL than needed).
+    """
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    if not sep:
+        scheme, rest = "", url
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    location, question, query = rest.partition("?")
+    if question:
+        params = []
+        for param in query.split("&"):
+            name, equals, _ = param.partition("=")
+            secret = equals and name.strip().lower() in _SECRET_PARAMS
+            params.append(f"{name}=***" if secret else param)
+        location = f"{location}?{'&'.join(params)}"
+    return f"{scheme}{sep}{location}"
 
 
 def is_transport_error(exc: BaseException | None) -> bool:
