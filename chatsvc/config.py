@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from chatsvc import paths
+from chatsvc.store.validate import MAX_NAME_CHARS, MIN_API_KEY_CHARS
 
 ENV_PREFIX = "CHATSVC_"
 LOCAL_TENANT = "local"
@@ -41,6 +42,9 @@ class Limits:
     max_n: int = 8
     max_sessions_per_tenant: int = 10_000
     max_streams_per_tenant: int = 8
+    # Private system prompts one tenant may keep, and shared ones the operator may publish.
+    max_system_prompts_per_tenant: int = 100
+    max_shared_system_prompts: int = 100
     # Seconds the whole request body may take to arrive before 408 (slow-loris guard).
     body_read_timeout_s: int = 30
 
@@ -120,8 +124,10 @@ class Settings:
             raise SettingsError(f"session TTL must be positive seconds, got {self.session_ttl_s}")
         if not 1 <= self.turn_lock_ttl_s <= 3600:
             raise SettingsError(f"turn lock TTL must be 1..3600 s, got {self.turn_lock_ttl_s}")
-        if self.admin_key is not None and len(self.admin_key) < 8:
-            raise SettingsError("admin key must be at least 8 characters")
+        if self.admin_key is not None and len(self.admin_key) < MIN_API_KEY_CHARS:
+            raise SettingsError(f"admin key must be at least {MIN_API_KEY_CHARS} characters")
+        for name, key in self.api_keys:
+            check_tenant_entry(name, key)
         names = [name for name, _ in self.api_keys]
         if len(set(names)) != len(names):
             raise SettingsError("each tenant may appear once in CHATSVC_API_KEYS")
@@ -189,13 +195,12 @@ class Settings:
 def parse_api_keys(spec: str) -> tuple[tuple[str, str], ...]:
     """Parse ``tenant:key,tenant2:key2``; a key may itself contain ':'."""
     pairs = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
+    for number, item in enumerate(filter(None, (part.strip() for part in spec.split(","))), 1):
         tenant, sep, key = item.partition(":")
         if not sep or not tenant.strip() or not key.strip():
-            raise SettingsError(f"CHATSVC_API_KEYS entry {item!r} is not tenant:key")
-        if len(key.strip()) < 8:
-            raise SettingsError(f"API key of tenant {tenant.strip()!r} is under 8 characters")
-        pairs.append((tenant.strip(), key.strip()))
+            # Numbered, not quoted: a malformed entry may be a bare key.
+            raise SettingsError(f"CHATSVC_API_KEYS entry {number} is not tenant:key")
+        pairs.append(check_tenant_entry(tenant.strip(), key.strip()))
     return tuple(pairs)
 
 
@@ -219,6 +224,22 @@ def is_valid_host_name(name: str) -> bool:
         except ValueError:
             return False
     return bool(_HOST_NAME_RE.match(name))
+
+
+def check_tenant_entry(name: str, key: str) -> tuple[str, str]:
+    """One configured tenant, checked by the rules the store and the key check use.
+
+    Names are the tenants' identity in the store, which refuses blank or overlong
+    ones; keys are compared as plain sha256 digests, which is only safe for long
+    keys. Checking both here makes a bad entry a settings error, not a crash later.
+    """
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
+        raise SettingsError(f"tenant name {name!r} must be 1-{MAX_NAME_CHARS} characters")
+    if not isinstance(key, str) or len(key) < MIN_API_KEY_CHARS:
+        raise SettingsError(
+            f"API key of tenant {name!r} must be at least {MIN_API_KEY_CHARS} characters"
+        )
+    return name, key
 
 
 def is_loopback(host: str) -> bool:

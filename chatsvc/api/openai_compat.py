@@ -1,9 +1,10 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/models``.
 
 Stateless: the client sends the whole conversation each time, and the prefix
-cache (not a session) makes the repeated part cheap. A leading system message
-whose text equals a shared system prompt the tenant can see hashes in the
-public namespace, exactly as a session on that prompt would.
+cache (not a session) makes the repeated part cheap. A request that names a
+shared system prompt by ``system_prompt_id`` hashes that prompt's blocks in the
+public namespace, exactly as a session on that prompt would; a system message
+sent as text is private whatever it says.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from chatsvc.api.openai_schemas import (
     ModelList,
     PromptTokensDetails,
 )
+from chatsvc.api.system_prompts import named_system_prompt
 
 ENDPOINT = "chat_completions"
 
@@ -127,6 +129,7 @@ async def _build_request(
     for m in data.messages:
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": m.text()})
+    system = await named_system_prompt(services, tenant, data.system_prompt_id, messages)
     if messages[-1]["role"] == "assistant":
         raise InvalidRequestError("the last message must not be the assistant's")
     total = sum(len(m["content"]) for m in messages)
@@ -146,19 +149,13 @@ async def _build_request(
     prompt = services.engine.chat_format.render(messages)
     sampling = gen.fit_context(services, len(prompt), sampling, requested)
     labels = {"tenant": tenant.id}
-    shared = None
-    if messages[0]["role"] == "system":
-        for candidate in await services.store.list_system_prompts(tenant.id):
-            if candidate.text == messages[0]["content"]:
-                labels["system_prompt"] = candidate.id
-                shared = candidate if candidate.shared else None
-                if shared is not None:
-                    break
+    if system is not None:
+        labels["system_prompt"] = system.id
     return GenerationRequest(
         request_id=gen.new_request_id("chat"),
         prompt_token_ids=prompt,
         sampling=sampling,
-        namespace=gen.namespace_for(tenant, gen.shared_prefix_len(prompt, shared)),
+        namespace=gen.namespace_for(tenant, gen.shared_prefix_len(prompt, system)),
         labels=labels,
     )
 

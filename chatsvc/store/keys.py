@@ -1,14 +1,15 @@
 """Every Redis key chatsvc uses, under one prefix.
 
-Layout (``p`` = prefix, schema version 2):
+Layout (``p`` = prefix, schema version 3):
 
     p:schema_version                 string  newest applied migration number
     p:migration_lock                 string  held while migrations run
     p:meta                           hash    created_at, layout (written by migration 0001)
+    p:tenants                        hash    tenant name -> tenant id (names are identities)
     p:tenant:<tid>                   string  TenantRecord
-    p:apikey:<sha256 hex>            string  tenant id owning that API key
-    p:tenant:<tid>:prompts           set     ids of the tenant's system prompts
-    p:prompts:shared                 set     ids of shared system prompts
+    p:apikey:<sha256 hex>            string  layouts 1-2 only; migration 0003 deletes them
+    p:tenant:<tid>:prompts           set     ids of the tenant's (private) system prompts
+    p:prompts:shared                 set     ids of the shared system prompts the operator published
     p:prompt:<pid>                   string  SystemPromptRecord
     p:tenant:<tid>:sessions          zset    session ids scored by updated_at (v1: a set)
     p:session:{<sid>}                string  SessionRecord
@@ -53,11 +54,19 @@ class Keys:
     def meta(self) -> str:
         return f"{self.prefix}:meta"
 
+    def tenant_names(self) -> str:
+        return f"{self.prefix}:tenants"
+
     def tenant(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}"
 
-    def api_key(self, key_hash: str) -> str:
-        return f"{self.prefix}:apikey:{key_hash}"
+    def tenant_records_pattern(self) -> str:
+        """SCAN pattern of the tenant records (with ``_type="string"``; used by migrations)."""
+        return f"{self.prefix}:tenant:*"
+
+    def legacy_api_keys_pattern(self) -> str:
+        """SCAN pattern of the key records layouts 1-2 kept (used by migration 0003)."""
+        return f"{self.prefix}:apikey:*"
 
     def tenant_prompts(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}:prompts"

@@ -14,7 +14,7 @@ import msgspec
 
 # The keyspace layout these records and ``chatsvc.store.keys`` describe. It equals
 # the number of the newest migration; the runner stores it under the version key.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def now() -> float:
@@ -23,20 +23,30 @@ def now() -> float:
 
 
 class TenantRecord(msgspec.Struct, kw_only=True):
-    """A tenant. ``cache_salt`` is secret: it keys the tenant's private KV namespace."""
+    """A tenant, identified by its unique ``name`` (the name in ``CHATSVC_API_KEYS``).
+
+    ``cache_salt`` is secret: it keys the tenant's private KV namespace. API keys
+    are not part of a tenant: each replica admits the keys of its own settings.
+    """
 
     id: str
     name: str
-    api_key_hash: str  # hex sha256 of the API key; the key itself is never stored
     cache_salt: bytes
     created_at: float
+    # Written by schema versions 1-2 (hex sha256 of the key the tenant was created
+    # with); kept so those records decode, never read.
+    api_key_hash: str = ""
 
 
 class SystemPromptRecord(msgspec.Struct, kw_only=True):
-    """A system prompt owned by ``tenant_id``; ``shared`` ones are usable by every tenant."""
+    """A system prompt: a tenant's private one, or a shared one the operator published.
+
+    ``tenant_id`` is the owning tenant; None (with ``shared``) marks a prompt the
+    operator published, usable by every tenant. A tenant never owns a shared prompt.
+    """
 
     id: str
-    tenant_id: str
+    tenant_id: str | None
     name: str
     text: str
     token_ids: list[int]

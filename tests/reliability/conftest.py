@@ -159,7 +159,7 @@ def session_problems(server: ThreadServer, api_key: str) -> list[str]:
 
     async def scan() -> list[str]:
         store = server.services.store
-        tenant = (await store.tenant_by_api_key(api_key)).id
+        tenant = server.services.tenants.tenant_for_key(api_key).id
         problems: list[str] = []
         cursor = None
         while True:

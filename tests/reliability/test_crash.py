@@ -37,7 +37,7 @@ async def test_the_checker_flags_lost_extra_and_torn_turns(redis_server):
     """The crash loop's verdicts are only worth something if the checker can fail."""
     store = await Store.connect(redis_server.url, prefix=unique_prefix("crashcheck"))
     try:
-        tenant = await store.create_tenant("checker", "checker-tenant-key-0001")
+        tenant = await store.ensure_tenant("checker")
         system = [1, 2, 3]
         session = await store.create_session(tenant.id, None, "Be brief.", system, {})
 

@@ -240,7 +240,7 @@ def test_hostile_requests_leave_another_tenants_conversation_unchanged(witness_s
     # Every answered witness turn is stored, whole, and no tenant's session is half-written.
     async def stored(sid: str):
         store = witness_server.services.store
-        tenant = (await store.tenant_by_api_key(ACME_KEY)).id
+        tenant = witness_server.services.tenants.tenant_for_key(ACME_KEY).id
         return await store.get_messages(tenant, sid)
 
     expected = [WITNESS_SYSTEM]

@@ -185,7 +185,7 @@ def test_concurrent_streams_per_tenant_limit_is_429(strict_server, raw_redis):
     # byte stream mid-body closes the connection: the server sees a disconnect,
     # aborts that generation and frees its slot (as it must), so the third
     # request used to find the tenant's counter at zero.
-    tenant = strict_server.call(strict_server.services.store.tenant_by_api_key(GLOBEX_KEY))
+    tenant = strict_server.services.tenants.tenant_for_key(GLOBEX_KEY)
     lines = []
     with client(strict_server, GLOBEX_KEY) as http, contextlib.ExitStack() as streams:
         for _ in range(2):

@@ -7,11 +7,12 @@ import itertools
 from chatsvc.store import Store
 from chatsvc.store.records import MessageRecord, TenantRecord, Usage
 
-_keys = itertools.count()
+_names = itertools.count()
 
 
 async def new_tenant(store: Store, name: str = "t") -> TenantRecord:
-    return await store.create_tenant(name, f"sk-test-{next(_keys):08d}-0123456789")
+    """A tenant of its own: names are identities, so each call gets a fresh one."""
+    return await store.ensure_tenant(f"{name}-{next(_names)}")
 
 
 def turn(n: int) -> tuple[MessageRecord, MessageRecord]:

@@ -77,7 +77,7 @@ async def test_acknowledged_turns_survive_a_server_restart(tmp_path, restart):
         server.start()
 
         store = await Store.connect(server.url, prefix="p", session_ttl_s=3600)
-        assert await store.tenant_by_api_key("nope-nope-nope-nope") is None
+        assert await store.get_tenant(tenant.id) == tenant
         for session in sessions:
             assert await store.get_messages(tenant.id, session.id) == before[session.id]
             assert (await store.get_session(tenant.id, session.id)).num_messages == 21

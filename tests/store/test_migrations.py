@@ -27,10 +27,16 @@ def test_schema_version_names_the_newest_migration():
 
 
 async def test_fresh_keyspace_gets_every_migration_once(redis_server, prefix, raw):
-    assert await migrate(redis_server.url, prefix) == ["0001_initial", "0002_session_index_zset"]
+    labels = [m.label for m in runner.all_migrations()]
+    assert labels[:3] == [
+        "0001_initial",
+        "0002_session_index_zset",
+        "0003_tenant_names_and_operator_prompts",
+    ]
+    assert await migrate(redis_server.url, prefix) == labels
     assert await migrate(redis_server.url, prefix) == []
     assert await raw.get(f"{prefix}:schema_version") == str(SCHEMA_VERSION).encode()
-    assert await raw.hget(f"{prefix}:meta", "layout") == b"2"
+    assert await raw.hget(f"{prefix}:meta", "layout") == str(SCHEMA_VERSION).encode()
 
 
 async def _write_layout_1(raw, keys: Keys) -> tuple[TenantRecord, list[SessionRecord]]:
@@ -68,7 +74,7 @@ async def test_layout_1_data_is_upgraded_and_readable_through_the_store(redis_se
     store = await Store.connect(redis_server.url, prefix=prefix)
     try:
         assert await raw.type(keys.tenant_sessions(tenant.id)) == b"zset"
-        assert await raw.get(keys.schema_version()) == b"2"
+        assert await raw.get(keys.schema_version()) == str(SCHEMA_VERSION).encode()
         listed, cursor = await store.list_sessions(tenant.id)
         assert [s.id for s in listed] == ["s0", "s2", "s1"] and cursor is None
         assert await raw.zscore(keys.tenant_sessions(tenant.id), "gone") is None
