@@ -230,6 +230,9 @@ def test_every_doc_curl_command_works_on_a_local_server(local, http, command):
         "J": "Content-Type: application/json",
         "SID": http.post("/sessions", json={}).json()["id"],
     }
+    if "/admin/system-prompts" in command:  # the operator's routes act on shared prompts
+        body = {"name": "doc", "text": "You are a shared doc."}
+        prompt = http.post("/admin/system-prompts", json=body).json()
     script = command.replace("localhost:8000", f"localhost:{local.port}")
     script = script.replace("<id>", prompt["id"])
     _run_shell(script, env)
