@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from chatsvc.engine.control_tokens import ControlTokens, Rendering
+from chatsvc.engine.detokenizer import CONTEXT_TOKENS
 
 # End-of-turn markers of common chat templates; those present in a tokenizer's vocabulary
 # and used by its template stop generation besides eos.
@@ -102,6 +103,49 @@ class ChatFormat:
         assert ids is not None
         return ids, False
 
+    def answer_token_ids(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], text: str
+    ) -> list[int]:
+        """The token ids to store for a generated answer whose stored text is ``text``.
+
+        The engine's ``token_ids`` can spell more than ``text``: a stop string cuts the
+        text but not the token that completed it. Stored ids that decode to more than
+        the stored text make the next render stop extending them (no prefix reuse on
+        any later turn), so this keeps the longest prefix of ``token_ids`` whose text is
+        a prefix of ``text`` (their KV is cached) and tokenizes the rest of ``text`` as
+        plain text. A trailing stop token (not part of ``text``) is kept as it was.
+        When the ids already decode to ``text`` they are returned unchanged.
+        """
+        ids = list(token_ids)
+        stop = ids[-1:] if ids and ids[-1] in self.stop_token_ids else []
+        body = ids[: len(ids) - len(stop)]
+        context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        context_text = self.decode(context)
+        target = context_text + text
+
+        def decoded(n: int) -> str:
+            return self.decode(context + body[:n])
+
+        full = decoded(len(body))
+        if full == target:
+            return ids
+        common = _common_prefix_len(full, target)
+        # Decoded length grows with n (up to a replacement character for a split UTF-8
+        # sequence), so bisect to the last prefix that fits the common text, then step
+        # back to one whose text really is a prefix of the target.
+        lo, hi = 0, len(body)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(decoded(mid)) <= common:
+                lo = mid
+            else:
+                hi = mid - 1
+        keep = lo
+        while keep > 0 and not _is_prefix_of(decoded(keep), target, len(context_text)):
+            keep -= 1
+        kept_text = decoded(keep)[len(context_text) :] if keep else ""
+        return body[:keep] + self.tokenize_text(text[len(kept_text) :]) + stop
+
     def _apply_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool
     ) -> str:
@@ -172,6 +216,18 @@ class ChatFormat:
         held = [t for t in prev_token_ids if t in self.controls.id_set]
         written = [token_id for s, _, token_id in rendering.controls if s < end]
         return held == written
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _is_prefix_of(decoded: str, target: str, context_len: int) -> bool:
+    return len(decoded) >= context_len and target.startswith(decoded)
 
 
 def _validate(messages: Sequence[Mapping[str, str]]) -> None:

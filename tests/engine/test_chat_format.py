@@ -254,6 +254,61 @@ def test_extend_of_ordinary_content_adds_the_same_ids_as_before(chat):
         messages.append({"role": "assistant", "content": content[::-1]})
 
 
+# -- what is stored for an answer ------------------------------------------------------
+
+
+def _prompt(chat: ChatFormat) -> list[int]:
+    return chat.render([{"role": "user", "content": "Greet me."}])
+
+
+def test_an_answer_cut_by_a_stop_string_keeps_its_real_tokens_up_to_the_cut(chat):
+    generated = chat.tokenize("Hello! How can I help you today?")
+    # The stop string "elp you" ended generation at " you"; the text is cut before it.
+    stop_at = [chat.decode(generated[:n]) for n in range(len(generated) + 1)].index(
+        "Hello! How can I help you"
+    )
+    text = "Hello! How can I h"
+    ids = chat.answer_token_ids(_prompt(chat), generated[:stop_at], text)
+    assert chat.decode(ids) == text
+    kept = chat.tokenize("Hello! How can I")
+    assert ids[: len(kept)] == kept  # the model's own tokens, whose KV is cached
+    # The next turn extends them.
+    history = [
+        {"role": "user", "content": "Greet me."},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "Thanks"},
+    ]
+    prev = _prompt(chat) + ids
+    new, reused = chat.extend(prev, history)
+    assert reused and new[: len(prev)] == prev
+
+
+def test_an_answer_whose_tokens_spell_its_text_is_stored_unchanged(chat):
+    generated = _generated(chat, "Hello there.")
+    assert chat.answer_token_ids(_prompt(chat), generated, "Hello there.") == generated
+    no_stop = chat.tokenize("Hello there")
+    assert chat.answer_token_ids(_prompt(chat), no_stop, "Hello there") == no_stop
+
+
+def test_an_answer_ending_inside_a_character_drops_the_partial_bytes(chat):
+    generated = chat.tokenize("Coffee ☕")
+    partial = next(
+        n for n in range(len(generated)) if chat.decode(generated[:n]).endswith("\ufffd")
+    )
+    text = "Coffee "  # the detokenizer never releases half a character
+    ids = chat.answer_token_ids(_prompt(chat), generated[:partial], text)
+    assert chat.decode(ids) == text
+
+
+def test_a_control_token_generated_mid_answer_is_stored_as_its_text(chat):
+    im_start = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    generated = chat.tokenize("One") + [im_start] + chat.tokenize(" two") + _generated(chat, "")
+    text = "One two"  # special tokens are skipped in the text
+    ids = chat.answer_token_ids(_prompt(chat), generated, text)
+    assert chat.decode(ids) == text + "<|im_end|>"
+    assert _controls(chat, ids) == [chat.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
 # Pieces that make up control tokens, whole or broken, among ordinary text.
 _PIECES = st.sampled_from(
     ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>", "<|", "|>", "im_end", "<", "\n"]
