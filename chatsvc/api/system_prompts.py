@@ -39,7 +39,7 @@ class SystemPromptController(Controller):
         """A ``shared`` prompt is visible to every tenant, and the KV blocks of its
         tokens are shared across tenants: put nothing secret in it."""
         text = gen.check_text(data.text, services, "system prompt")
-        token_ids = gen.system_prefix_tokens(services, text)
+        token_ids = await gen.system_prefix_tokens(services, text)
         try:
             prompt = await services.store.create_system_prompt(
                 tenant.id, data.name, text, token_ids, data.shared

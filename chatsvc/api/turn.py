@@ -119,7 +119,9 @@ async def _prepare(services, tenant, session_id, text, sampling, requested) -> P
         raise NotFoundError(UNKNOWN_SESSION)
     messages = [{"role": m.role, "content": m.text} for m in history]
     messages.append({"role": "user", "content": text})
-    prompt, reused = services.engine.chat_format.extend(session.token_ids, messages)
+    prompt, reused = await gen.format_chat(
+        services.engine.chat_format.extend, session.token_ids, messages
+    )
     sampling = gen.fit_context(services, len(prompt), sampling, requested)
     system = None
     if session.system_prompt_id is not None:
