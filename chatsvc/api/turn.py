@@ -184,10 +184,18 @@ async def run_turn(
 
 async def _store_turn(services, tenant, turn: PreparedTurn, sample) -> TurnResult:
     m = sample.metrics
+    # Text and tokens stored must agree (a stop string cuts the text, not the tokens),
+    # or the next turn's render no longer extends the stored tokens.
+    answer_ids = await gen.format_chat(
+        services.engine.chat_format.answer_token_ids,
+        turn.request.prompt_token_ids,
+        sample.token_ids,
+        sample.text,
+    )
     assistant = MessageRecord(
         role="assistant",
         text=sample.text,
-        token_ids=sample.token_ids,
+        token_ids=answer_ids,
         usage=UsageRecord(
             prompt_tokens=m.prompt_tokens,
             cached_tokens=m.cached_prompt_tokens,
@@ -203,7 +211,7 @@ async def _store_turn(services, tenant, turn: PreparedTurn, sample) -> TurnResul
             turn.session.id,
             turn.user,
             assistant,
-            token_ids=[*turn.request.prompt_token_ids, *sample.token_ids],
+            token_ids=[*turn.request.prompt_token_ids, *answer_ids],
         )
     return TurnResult(
         session_id=turn.session.id,
