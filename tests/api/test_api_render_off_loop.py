@@ -116,3 +116,12 @@ def test_too_many_messages_are_refused_before_any_rendering(api, acme, raw_redis
     assert at_limit.json()["error"]["type"] == "context_length_exceeded"
     assert template_calls and api.thread not in template_calls  # not the event loop's thread
     assert keyspace(raw_redis, api.services.settings.key_prefix) == before
+
+
+def test_the_message_cap_is_a_setting():
+    from chatsvc.config import Settings, SettingsError
+
+    assert Settings.from_env({}).limits.max_messages == 1024
+    assert Settings.from_env({"CHATSVC_MAX_MESSAGES": "8"}).limits.max_messages == 8
+    with pytest.raises(SettingsError, match="max_messages"):
+        Settings.from_env({"CHATSVC_MAX_MESSAGES": "0"})
