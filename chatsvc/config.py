@@ -38,6 +38,9 @@ class Limits:
 
     max_body_bytes: int = 1_000_000
     max_message_chars: int = 32_000
+    # Messages in one rendered conversation (an OpenAI request's list), checked before
+    # any rendering: each one costs template and tokenizer work however short it is.
+    max_messages: int = 1024
     max_tokens_cap: int = 2048
     max_n: int = 8
     max_sessions_per_tenant: int = 10_000

@@ -62,7 +62,7 @@ class AdminController(Controller):
         of its tokens are shared across tenants: put nothing secret in it. 429 at
         ``CHATSVC_MAX_SHARED_SYSTEM_PROMPTS``."""
         text = gen.check_text(data.text, services, "system prompt")
-        token_ids = gen.system_prefix_tokens(services, text)
+        token_ids = await gen.system_prefix_tokens(services, text)
         limit = services.settings.limits.max_shared_system_prompts
         try:
             prompt = await services.store.create_shared_prompt(

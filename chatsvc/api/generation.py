@@ -6,10 +6,14 @@ touched, so a rejected request leaves no state behind.
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
 
 from chatsvc.api.errors import (
     ContextLengthError,
@@ -19,6 +23,8 @@ from chatsvc.api.errors import (
 )
 from chatsvc.service import Services
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -118,14 +124,35 @@ def shared_prefix_len(prompt: list[int], system_prompt: SystemPromptRecord | Non
     return n if prompt[:n] == system_prompt.token_ids else 0
 
 
-def system_prefix_tokens(services: Services, text: str) -> list[int]:
+async def format_chat(call: Callable[..., T], *args: Any) -> T:
+    """Run a ChatFormat call (template rendering, tokenization) in a worker thread.
+
+    A large conversation takes long to render and tokenize; on the event loop
+    that would stall every other request and the turn locks' renewals. The
+    engine thread is not used: it is reserved for the model. A conversation the
+    chat format or the template refuses is a 400.
+    """
+    from jinja2 import TemplateError
+
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(call, *args))
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    except TemplateError as exc:
+        raise InvalidRequestError(f"the chat template refused the conversation: {exc}") from None
+
+
+async def system_prefix_tokens(services: Services, text: str) -> list[int]:
     """The tokens a system prompt contributes to the front of every rendered conversation.
 
     Rendering the system message followed by two different user messages and
     keeping the common prefix gives exactly the tokens that do not depend on
     what follows, whatever the template and tokenizer do at the boundary.
     """
-    fmt = services.engine.chat_format
+    return await format_chat(_system_prefix, services.engine.chat_format, text)
+
+
+def _system_prefix(fmt, text: str) -> list[int]:
     a = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "a"}])
     b = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "Zq"}])
     n = 0

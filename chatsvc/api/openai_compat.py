@@ -121,6 +121,11 @@ async def _build_request(
         )
     if not data.messages:
         raise InvalidRequestError("messages must not be empty")
+    max_messages = services.settings.limits.max_messages
+    if len(data.messages) > max_messages:
+        raise InvalidRequestError(
+            f"the request has {len(data.messages)} messages; the limit is {max_messages}"
+        )
     if data.presence_penalty != 0 or data.frequency_penalty != 0 or data.logprobs:
         raise InvalidRequestError("presence/frequency penalties and logprobs are not supported")
     if data.max_tokens is not None and data.max_completion_tokens is not None:
@@ -146,7 +151,7 @@ async def _build_request(
         stop=data.stop_list(),
         n=data.n,
     )
-    prompt = services.engine.chat_format.render(messages)
+    prompt = await gen.format_chat(services.engine.chat_format.render, messages)
     sampling = gen.fit_context(services, len(prompt), sampling, requested)
     labels = {"tenant": tenant.id}
     if system is not None:

@@ -53,7 +53,7 @@ class SessionController(Controller):
             text, token_ids = prompt.text, list(prompt.token_ids)
         elif data.system_prompt is not None:
             text = gen.check_text(data.system_prompt, services, "system prompt")
-            token_ids = gen.system_prefix_tokens(services, text)
+            token_ids = await gen.system_prefix_tokens(services, text)
         limit = services.settings.limits.max_sessions_per_tenant
         if await store.count_sessions(tenant.id) >= limit:
             raise RateLimitError(f"this tenant already has {limit} sessions; delete some first")

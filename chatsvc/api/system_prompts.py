@@ -100,7 +100,7 @@ class SystemPromptController(Controller):
                 "(POST /admin/system-prompts with the admin key)"
             )
         text = gen.check_text(data.text, services, "system prompt")
-        token_ids = gen.system_prefix_tokens(services, text)
+        token_ids = await gen.system_prefix_tokens(services, text)
         limit = services.settings.limits.max_system_prompts_per_tenant
         try:
             prompt = await services.store.create_system_prompt(

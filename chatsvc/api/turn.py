@@ -119,7 +119,9 @@ async def _prepare(services, tenant, session_id, text, sampling, requested) -> P
         raise NotFoundError(UNKNOWN_SESSION)
     messages = [{"role": m.role, "content": m.text} for m in history]
     messages.append({"role": "user", "content": text})
-    prompt, reused = services.engine.chat_format.extend(session.token_ids, messages)
+    prompt, reused = await gen.format_chat(
+        services.engine.chat_format.extend, session.token_ids, messages
+    )
     sampling = gen.fit_context(services, len(prompt), sampling, requested)
     system = None
     if session.system_prompt_id is not None:
@@ -182,10 +184,18 @@ async def run_turn(
 
 async def _store_turn(services, tenant, turn: PreparedTurn, sample) -> TurnResult:
     m = sample.metrics
+    # Text and tokens stored must agree (a stop string cuts the text, not the tokens),
+    # or the next turn's render no longer extends the stored tokens.
+    answer_ids = await gen.format_chat(
+        services.engine.chat_format.answer_token_ids,
+        turn.request.prompt_token_ids,
+        sample.token_ids,
+        sample.text,
+    )
     assistant = MessageRecord(
         role="assistant",
         text=sample.text,
-        token_ids=sample.token_ids,
+        token_ids=answer_ids,
         usage=UsageRecord(
             prompt_tokens=m.prompt_tokens,
             cached_tokens=m.cached_prompt_tokens,
@@ -201,7 +211,7 @@ async def _store_turn(services, tenant, turn: PreparedTurn, sample) -> TurnResul
             turn.session.id,
             turn.user,
             assistant,
-            token_ids=[*turn.request.prompt_token_ids, *sample.token_ids],
+            token_ids=[*turn.request.prompt_token_ids, *answer_ids],
         )
     return TurnResult(
         session_id=turn.session.id,
