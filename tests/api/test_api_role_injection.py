@@ -30,7 +30,7 @@ def _controls(api, ids) -> list[int]:
 
 def _stored(api, session_id: str):
     store = api.services.store
-    tenant_id = api.call(store.tenant_by_api_key(ACME_KEY)).id
+    tenant_id = api.services.tenants.tenant_for_key(ACME_KEY).id
     session = api.call(store.get_session(tenant_id, session_id))
     messages = api.call(store.get_messages(tenant_id, session_id))
     return session, messages
@@ -75,7 +75,7 @@ def test_a_system_prompt_is_stored_as_text(api, acme):
         response = acme.post("/system-prompts", json={"name": "p", "text": text})
         assert response.status_code == 201, response.text
         store = api.services.store
-        tenant_id = api.call(store.tenant_by_api_key(ACME_KEY)).id
+        tenant_id = api.services.tenants.tenant_for_key(ACME_KEY).id
         return api.call(store.get_system_prompt(tenant_id, response.json()["id"])).token_ids
 
     assert _controls(api, registered_ids(unique(INJECTION))) == _controls(
