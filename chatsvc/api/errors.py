@@ -71,6 +71,13 @@ class ServiceUnavailableError(ApiError):
     error_type = "service_unavailable"
 
 
+class InternalServerError(ApiError):
+    """Our failure, not the client's: the message stays generic, the detail goes to the log."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
 def error_body(error_type: str, message: str) -> dict[str, dict[str, str]]:
     return {"error": {"type": error_type, "message": message}}
 
