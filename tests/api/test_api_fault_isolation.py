@@ -145,11 +145,11 @@ def test_an_engine_failure_is_a_500_that_shows_no_internals(api, acme, monkeypat
     model = acme.get("/v1/models").json()["data"][0]["id"]
     session = new_session(acme)["id"]
 
-    def refuse(items, cache):
+    def refuse(batch, kv_pool):
         # A ValueError raised inside a step: the engine's own failure, not bad input.
         raise ValueError(f"the kernel refuses these shapes: {secret}")
 
-    monkeypatch.setattr(core.runner, "forward", refuse)
+    monkeypatch.setattr(core.model, "forward", refuse)
     messages = [{"role": "user", "content": unique("Hi")}]
     answers = [
         acme.post("/v1/chat/completions", json={"model": model, "messages": messages}),
