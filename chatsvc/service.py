@@ -127,7 +127,11 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         )
         services.engine_started = True
         stack.push_async_callback(engine.stop)
-        services.metrics.sample_tiers_with(lambda: tier_usage(engine.cache_stats()))
+        # A dead engine answers no command: /metrics then reports no tier gauges
+        # rather than failing the scrape (/readyz says why).
+        services.metrics.sample_tiers_with(
+            lambda: tier_usage(engine.cache_stats()) if engine.is_running else {}
+        )
         yield services
         services.engine_started = False
 

@@ -77,6 +77,13 @@ class ServiceUnavailableError(ApiError):
     error_type = "service_unavailable"
 
 
+class InternalServerError(ApiError):
+    """Our failure, not the client's: the message stays generic, the detail goes to the log."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
 # What a caller learns of a Redis outage. The exception's own text names the
 # server (host, port, socket path) and the driver's error; that is for the log.
 STORE_UNAVAILABLE_MESSAGE = "the session store is unavailable; try again later"

@@ -7,6 +7,7 @@ touched, so a rejected request leaves no state behind.
 from __future__ import annotations
 
 import functools
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -17,6 +18,7 @@ import anyio
 
 from chatsvc.api.errors import (
     ContextLengthError,
+    InternalServerError,
     InvalidRequestError,
     RateLimitError,
     ServiceUnavailableError,
@@ -25,6 +27,8 @@ from chatsvc.service import Services
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+ENGINE_FAILED = "the engine failed while generating this answer"
 
 
 @dataclass
@@ -193,10 +197,18 @@ def new_request_id(kind: str) -> str:
 async def generate(services: Services, request) -> AsyncIterator:
     """The engine's deltas for ``request``; leaving early aborts it and frees its blocks.
 
-    The engine's refusals become API errors: too large for the context or the
-    KV pool -> 400 context_length_exceeded; stopped -> 503.
+    The engine's errors become API errors: a bad request -> 400 (too large for the
+    context or the KV pool: context_length_exceeded); engine stopped or its thread
+    died -> 503; a step that failed for this request, or anything else the engine
+    raises -> 500 server_error with a generic message (the detail is logged, never
+    sent: it may describe the engine's internals).
     """
-    from chatsvc.engine.errors import EngineStoppedError, RequestTooLargeError
+    from chatsvc.engine.errors import (
+        EngineInternalError,
+        EngineStoppedError,
+        RequestTooLargeError,
+        RequestValidationError,
+    )
 
     try:
         async with aclosing(services.engine.generate(request)) as deltas:
@@ -204,10 +216,18 @@ async def generate(services: Services, request) -> AsyncIterator:
                 yield delta
     except RequestTooLargeError as exc:
         raise ContextLengthError(str(exc)) from None
-    except ValueError as exc:  # the engine's own validation of the request
+    except RequestValidationError as exc:
         raise InvalidRequestError(str(exc)) from None
     except EngineStoppedError as exc:
         raise ServiceUnavailableError(f"the engine is not running: {exc}") from None
+    except EngineInternalError as exc:
+        # The engine logged the cause with its traceback; this line ties it to the
+        # HTTP request's id.
+        log.error("engine request %s failed: %s", request.request_id, exc)
+        raise InternalServerError(ENGINE_FAILED) from None
+    except Exception:  # noqa: BLE001 - an engine bug: logged, answered as a 500
+        log.exception("engine request %s raised", request.request_id)
+        raise InternalServerError(ENGINE_FAILED) from None
 
 
 def record_finished(services: Services, endpoint: str, labels: dict[str, str], samples) -> None:

@@ -25,6 +25,7 @@ from chatsvc.api.errors import (
     ApiError,
     InvalidRequestError,
     NotFoundError,
+    ServiceUnavailableError,
     documented_errors,
     error_body,
 )
@@ -180,9 +181,10 @@ async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
 
 
 def _check_finished(services: ServicesDep, samples: list[gen.SampleResult]) -> None:
+    # The same answer as the native path's for an aborted generation: 503, retry later.
     if any(s.finish_reason in (None, "abort") for s in samples):
         services.metrics.observe_failure(ENDPOINT, "aborted")
-        raise ApiError("the generation was aborted", error_type="server_error")
+        raise ServiceUnavailableError("the generation was aborted")
 
 
 def _usage(samples: list[gen.SampleResult]) -> CompletionUsage:
