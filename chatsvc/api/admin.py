@@ -11,7 +11,13 @@ from litestar.params import FromPath, JSONBody
 from chatsvc.api import generation as gen
 from chatsvc.api.auth import admin_guard
 from chatsvc.api.deps import ServicesDep
-from chatsvc.api.errors import InvalidRequestError, NotFoundError, RateLimitError, documented_errors
+from chatsvc.api.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitError,
+    ServiceUnavailableError,
+    documented_errors,
+)
 from chatsvc.api.schemas import CreateSharedPrompt, SystemPromptList, SystemPromptView
 from chatsvc.api.system_prompts import UNKNOWN_PROMPT, prompt_view
 from chatsvc.metrics import CONTENT_TYPE
@@ -26,7 +32,7 @@ class AdminController(Controller):
     @get(
         "/admin/cache",
         summary="Prefix-cache statistics",
-        responses=documented_errors(400, 401, 403),
+        responses=documented_errors(400, 401, 403, 503),
     )
     async def cache(self, services: ServicesDep) -> dict[str, Any]:
         """The engine's cache view (block hit rates, reuse histogram, tier occupancy,
@@ -35,8 +41,13 @@ class AdminController(Controller):
         cache's bookkeeping invariants hold, else the broken invariant."""
         # Both wait for the engine thread to finish its current step, so they see
         # the same consistent state between steps.
-        engine = await anyio.to_thread.run_sync(services.engine.cache_stats)
-        integrity = await anyio.to_thread.run_sync(_integrity, services.engine)
+        from chatsvc.engine.errors import EngineStoppedError
+
+        try:
+            engine = await anyio.to_thread.run_sync(services.engine.cache_stats)
+            integrity = await anyio.to_thread.run_sync(_integrity, services.engine)
+        except EngineStoppedError as exc:  # a dead engine has no cache to report
+            raise ServiceUnavailableError(f"the engine is not running: {exc}") from None
         return {"engine": engine, "requests": services.usage.snapshot(), "integrity": integrity}
 
     @get(

@@ -46,7 +46,7 @@ class MessageController(Controller):
                 "delta events then a done event carrying this body",
                 generate_examples=False,
             ),
-            **documented_errors(400, 401, 404, 409, 413, 429, 503),
+            **documented_errors(400, 401, 404, 409, 413, 429, 500, 503),
         },
     )
     async def post_message(

@@ -66,7 +66,7 @@ class OpenAIController(Controller):
                 "objects ending with data: [DONE]",
                 generate_examples=False,
             ),
-            **documented_errors(400, 401, 404, 413, 429, 503),
+            **documented_errors(400, 401, 404, 413, 429, 500, 503),
         },
     )
     async def chat_completions(

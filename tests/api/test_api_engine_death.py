@@ -94,6 +94,9 @@ def test_a_dead_engine_fails_every_stream_and_turns_the_service_not_ready(doomed
             assert acme.get(f"/sessions/{sid}/messages").json()["messages"] == []
     with http_helpers.client(doomed.url, ADMIN_KEY) as admin:
         assert admin.get("/metrics").status_code == 200  # a scrape still answers
+        cache = admin.get("/admin/cache")  # no cache to report: the same 503, not a 500
+        assert cache.status_code == 503, cache.text
+        assert cache.json()["error"]["type"] == "service_unavailable"
 
 
 def test_serve_exits_non_zero_when_the_engine_thread_dies(redis_server, tmp_path):
