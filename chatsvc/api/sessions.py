@@ -15,16 +15,18 @@ from chatsvc.api.errors import (
 )
 from chatsvc.api.schemas import CreateSession, SessionList, SessionView
 from chatsvc.api.turn import UNKNOWN_SESSION, get_session
-from chatsvc.store.records import SessionRecord
+from chatsvc.store.records import SessionRecord, SessionSummary
 
 
-def session_view(session: SessionRecord) -> SessionView:
+def session_view(session: SessionRecord | SessionSummary) -> SessionView:
+    if isinstance(session, SessionRecord):
+        session = session.summary()
     return SessionView(
         id=session.id,
         system_prompt_id=session.system_prompt_id,
         metadata=session.metadata,
         num_messages=session.num_messages,
-        num_tokens=len(session.token_ids),
+        num_tokens=session.num_tokens,
         created_at=session.created_at,
         updated_at=session.updated_at,
     )

@@ -18,6 +18,11 @@ class SessionBusyError(StoreError):
     """Another turn holds the session's turn lock (the API answers 409)."""
 
 
+class TurnLockLostError(StoreError):
+    """A turn's commit was refused: its turn lock expired and was (or may be) taken
+    by another turn, so writing now could interleave two turns (nothing was written)."""
+
+
 class NotFoundError(StoreError, LookupError):
     """A tenant, system prompt or session is unknown to the caller.
 

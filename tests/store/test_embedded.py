@@ -12,7 +12,7 @@ import redis
 
 from chatsvc.store import Store, StoreUnavailableError
 from chatsvc.store.embedded import EmbeddedRedis, EmbeddedRedisError
-from tests.store.helpers import new_tenant, turn
+from tests.store.helpers import append, new_tenant, turn
 
 pytestmark = pytest.mark.anyio
 
@@ -28,14 +28,14 @@ async def test_store_unavailable_when_server_down_then_recovers(tmp_path):
         with pytest.raises(StoreUnavailableError, match="unavailable"):
             await store.get_session(tenant.id, session.id)
         with pytest.raises(StoreUnavailableError):
-            await store.append_turn(tenant.id, session.id, *turn(1))
+            await append(store, tenant.id, session.id, *turn(1))
         with pytest.raises(StoreUnavailableError):
             async with store.turn_lock(tenant.id, session.id):
                 pass
 
         server.start()  # same port, same data dir
         assert (await store.get_session(tenant.id, session.id)).num_messages == 1
-        await store.append_turn(tenant.id, session.id, *turn(1))
+        await append(store, tenant.id, session.id, *turn(1))
         assert len(await store.get_messages(tenant.id, session.id)) == 3
         await store.close()
     finally:
@@ -66,7 +66,7 @@ async def test_acknowledged_turns_survive_a_server_restart(tmp_path, restart):
         sessions = [await store.create_session(tenant.id, None, "sys", [1], {}) for _ in range(3)]
         for n in range(10):
             for session in sessions:
-                await store.append_turn(tenant.id, session.id, *turn(n))
+                await append(store, tenant.id, session.id, *turn(n))
         before = {s.id: await store.get_messages(tenant.id, s.id) for s in sessions}
         await store.close()
 
