@@ -149,3 +149,17 @@ async def test_a_create_whose_reply_was_lost_creates_one_session(proxied: Store,
     assert await raw.zcard(store.keys.tenant_sessions(tenant.id)) == 1
     assert await _texts(store, tenant.id, session.id) == ["sys"]
     assert await store.get_session(tenant.id, session.id) == session
+
+
+async def test_a_lock_whose_reply_was_lost_is_still_taken(proxied: Store, proxy, raw):
+    store = proxied
+    tenant = await new_tenant(store)
+    session = await store.create_session(tenant.id, None, "sys", [1], {})
+    lock_key = store.keys.session_lock(session.id)
+    proxy.arm(lock_key.encode(), commands=(b"SET",))
+    async with store.turn_lock(tenant.id, session.id) as lock:
+        assert proxy.dropped == 1
+        assert await raw.get(lock_key) == lock.token.encode()
+        await store.append_turn(tenant.id, session.id, *turn(1), lock=lock)
+    assert await raw.exists(lock_key) == 0  # released, not left to its TTL
+    assert await _texts(store, tenant.id, session.id) == ["sys", "question 1", "answer 1"]
