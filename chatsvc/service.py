@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from chatsvc import paths
 from chatsvc.config import LOCAL_TENANT, Settings
 from chatsvc.metrics import Metrics, UsageStats
 from chatsvc.store import Store
@@ -89,15 +90,19 @@ async def bootstrap_tenants(store: Store, settings: Settings) -> TenantRecord | 
 def _local_key(settings: Settings) -> str:
     # The local tenant needs a stable identity across restarts but must not have a
     # guessable key: were the service later started with auth on, that key would
-    # still open the local tenant's sessions. So it is random and kept in a 0600 file.
-    path: Path = settings.redis_dir().parent / "local_tenant.key"
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # still open the local tenant's sessions. So it is random and kept in a 0600
+    # file in the 0700 data dir; one an older version left readable is tightened.
+    root = paths.private_dir(settings.redis_dir().parent)
+    path: Path = root / "local_tenant.key"
     key = secrets.token_urlsafe(32)
-    path.touch(mode=0o600)
-    path.write_text(key)
-    return key
+    try:
+        paths.write_private_file(path, key)
+        return key
+    except FileExistsError:
+        pass
+    if path.stat().st_mode & 0o077:
+        path.chmod(paths.PRIVATE_FILE_MODE)
+    return path.read_text().strip()
 
 
 def build_engine(settings: Settings) -> Any:
