@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -250,3 +251,37 @@ def test_an_explicit_socket_path_over_the_limit_is_refused(tmp_path):
     too_long = tmp_path / ("s" * MAX_SOCKET_PATH_BYTES)
     with pytest.raises(SocketPathError, match="over the limit"):
         EmbeddedRedis(tmp_path / "data", unix_socket=too_long).start()
+
+
+async def test_a_frozen_server_costs_each_command_three_tries_at_most(tmp_path, monkeypatch):
+    # A command is tried three times (two retries), each waiting one socket
+    # timeout for its reply, and then fails. redis-py once did far more: a unix
+    # connect ran its handshake inside a retried step (three waits per connect),
+    # and a due health check nested further retries in every reconnect, so one
+    # command against a frozen server never ended.
+    from redis.asyncio.connection import AbstractConnection
+
+    replies_waited = []
+    read_response = AbstractConnection.read_response
+
+    async def counted(self, *args, **kwargs):
+        replies_waited.append(1)
+        return await read_response(self, *args, **kwargs)
+
+    with EmbeddedRedis(tmp_path) as server:
+        store = await Store.connect(server.url, prefix="p", socket_timeout_s=0.3)
+        tenant = await new_tenant(store)
+        for conn in store.redis.connection_pool._available_connections:
+            conn.next_health_check = 0  # as if idle for longer than any check interval
+        monkeypatch.setattr(AbstractConnection, "read_response", counted)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                replies_waited.clear()
+                with pytest.raises(StoreUnavailableError):
+                    # The deadline only keeps a regression from hanging the suite.
+                    await asyncio.wait_for(store.get_tenant(tenant.id), 120)
+                assert len(replies_waited) <= 3
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await store.close()
