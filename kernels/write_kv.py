@@ -12,9 +12,8 @@ import ctypes
 import torch
 
 from kernels import native
-from kernels.backend import runnable
 from kernels.step_metadata import WriteIndex, write_index
-from kernels.triton_compat import tl, triton
+from kernels.triton_compat import runnable, tl, triton
 from kernels.validate import check_index, check_kv_caches, check_shared_strides
 
 

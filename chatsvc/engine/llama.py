@@ -9,9 +9,11 @@ Per layer (T new tokens, shapes in comments):
     h   = h + o @ Wo^T                         addmm: residual add fused
     h   = h + swiglu(rms_norm(h) @ Wgu^T) @ Wd^T
 
-K and V are read and written only through ``kernels`` and the layer views of the
-pool defined in ``kernels.kv_layout``. Logits are computed only for each sequence's
-last new token.
+The attention, the KV write and the element-wise layers are the step's kernels,
+bound once per step (``kernels.step.bind_step``: which backend and which kernel
+runs is decided there); the linears are the weight layout's. K and V are read and
+written only through those kernels. Logits are computed only for
+each sequence's last new token.
 """
 
 from __future__ import annotations
@@ -33,20 +35,17 @@ from chatsvc.engine.layers import (
 )
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
-from kernels import step_metadata
-from kernels.backend import resolve_backend
-from kernels.cpu_attention import native_max_query, native_supports
-from kernels.extend_metadata import extend_metadata
+from kernels.backend import tile_linears_available
 from kernels.kv_layout import KVShape
-from kernels.step_kernels import CheckedStep, NativeStep, StepTensors
-from kernels.tile_linear import pack_tile_weight, tile_linear_available
+from kernels.step import StepDims, bind_step
+from kernels.tile_linear import pack_tile_weight
 
 WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
 
 
 def _weight_layout(choice: bool | str | None, device: torch.device, dtype: torch.dtype) -> str:
     """``LlamaModel``'s ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``."""
-    tiles = resolve_backend(None, device) == "native" and tile_linear_available(device, dtype)
+    tiles = tile_linears_available(device, dtype)
     onednn = can_prepack(device, dtype)
     if choice is False:
         return "plain"
@@ -100,9 +99,7 @@ class LlamaModel:
         self.rope = RotaryTables(config, self.max_positions, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
-        # False: every layer calls the public, per-call-checked kernel functions even on
-        # the native backend (bench.model_step --compare-checked; the results are equal).
-        self.bind_step_kernels = True
+        self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps)
         self.weight_layout = _weight_layout(prepack_weights, self.device, self.dtype)
         self.prepacked = self.weight_layout != "plain"
         self._linear, self._linear_add = linear, linear_add
@@ -160,54 +157,6 @@ class LlamaModel:
         if bool(((tables < 0) | (tables >= num_blocks)).any()):
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
-    def _step_kernels(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> CheckedStep | NativeStep:
-        """The kernels every layer of this step calls, bound once (``kernels.step_kernels``).
-
-        On the CPU this also builds the attention groups and, for the torch path, the
-        slot split once for all layers; Triton reads the raw tensors itself.
-        """
-        c = self.config
-        backend = resolve_backend(None, self.device)
-        native = backend == "native" and native_supports(self.device, self.dtype, c.head_dim)
-        write_index, metadata = None, None
-        if backend != "triton":
-            metadata = extend_metadata(
-                batch.block_tables,
-                batch.query_start_loc,
-                batch.context_lens,
-                kv_pool.shape[3],
-                c.num_heads // c.num_kv_heads,
-                c.num_kv_heads * c.head_dim * self.weights.embed.element_size(),
-                self.dtype,
-                native_max_query=native_max_query(self.dtype, c.head_dim) if native else 0,
-            )
-        step = StepTensors(
-            kv_pool,
-            batch.slot_mapping,
-            batch.block_tables,
-            batch.query_start_loc,
-            batch.context_lens,
-        )
-        if native and self.bind_step_kernels:
-            return NativeStep(
-                step,
-                num_q_heads=c.num_heads,
-                scale=self.scale,
-                eps=c.rms_norm_eps,
-                metadata=metadata,
-            )
-        if backend == "torch":
-            write_index = step_metadata.write_index(batch.slot_mapping, kv_pool.shape[3])
-        return CheckedStep(
-            step,
-            is_decode=batch.is_decode,
-            max_query_len=batch.max_query_len,
-            scale=self.scale,
-            eps=c.rms_norm_eps,
-            write_index=write_index,
-            metadata=metadata,
-        )
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         """Run one step; returns fp32 logits ``[B, vocab]`` of each sequence's last new token.
@@ -223,7 +172,8 @@ class LlamaModel:
         mm, mm_add = self._linear, self._linear_add
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
-        ops = self._step_kernels(batch, kv_pool)
+        # The only way to the kernels: bound once for all layers, backend chosen there.
+        ops = bind_step(batch, kv_pool, self.step_dims)
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
             x = ops.rms_norm(h, layer.input_norm)
