@@ -11,8 +11,8 @@ Per layer (T new tokens, shapes in comments):
 
 The attention, the KV write and the element-wise layers are the step's kernels,
 bound once per step (``kernels.step.bind_step``: which backend and which kernel
-runs is decided there); the linears are the weight layout's. K and V are read and
-written only through those kernels. Logits are computed only for
+runs is decided there); the linears are the weight layout's (``chatsvc.engine.linear``).
+K and V are read and written only through those kernels. Logits are computed only for
 each sequence's last new token.
 """
 
@@ -22,44 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from chatsvc.engine.forward_batch import ForwardBatch
-from chatsvc.engine.layers import (
-    RotaryTables,
-    can_prepack,
-    linear,
-    linear_add,
-    packed_linear,
-    packed_linear_add,
-    prepack,
-    tile_linear,
-    tile_linear_add,
-)
+from chatsvc.engine.layers import RotaryTables
+from chatsvc.engine.linear import LINEARS, choose_layout
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
-from kernels.backend import tile_linears_available
 from kernels.kv_layout import KVShape
 from kernels.step import StepDims, bind_step
-from kernels.tile_linear import pack_tile_weight
-
-WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
-
-
-def _weight_layout(choice: bool | str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """``LlamaModel``'s ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``."""
-    tiles = tile_linears_available(device, dtype)
-    onednn = can_prepack(device, dtype)
-    if choice is False:
-        return "plain"
-    if choice is None or choice is True:
-        if tiles or onednn:
-            return "tiles" if tiles else "onednn"
-        if choice is None:
-            return "plain"
-        raise ValueError("weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)")
-    if choice not in WEIGHT_LAYOUTS:
-        raise ValueError(f"prepack_weights must be a bool, None or one of {WEIGHT_LAYOUTS}")
-    if (choice == "tiles" and not tiles) or (choice == "onednn" and not onednn):
-        raise ValueError(f"the {choice!r} weight layout is not available for {dtype} on {device}")
-    return choice
 
 
 class LlamaModel:
@@ -81,11 +49,11 @@ class LlamaModel:
         step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
 
         prepack_weights: store the matrices in a layout made for the CPU's matrix code
-        (``WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.tile_linear`` (bf16 with AMX and the
-        native kernels), ``"onednn"`` for torch's oneDNN linears; True or None = the first
-        of those available here (None: plain where neither is), False = plain. The plain
-        matrices in ``weights.layers`` are replaced by the packed ones, which still report
-        their ``[out, in]`` shape.
+        (``chatsvc.engine.linear.WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.tile_linear``
+        (bf16 with AMX and the native kernels), ``"onednn"`` for torch's oneDNN linears; True
+        or None = the first of those available here (None: plain where neither is), False =
+        plain. The plain matrices in ``weights.layers`` are replaced by the packed ones, which
+        still report their ``[out, in]`` shape.
         """
         if len(weights.layers) != config.num_layers:
             raise ValueError(
@@ -100,16 +68,12 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
         self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps)
-        self.weight_layout = _weight_layout(prepack_weights, self.device, self.dtype)
+        self.weight_layout = choose_layout(prepack_weights, self.device, self.dtype)
+        self.linears = LINEARS[self.weight_layout]
         self.prepacked = self.weight_layout != "plain"
-        self._linear, self._linear_add = linear, linear_add
         self._lm_head = weights.lm_head
         if self.prepacked:
-            pack = prepack
-            self._linear, self._linear_add = packed_linear, packed_linear_add
-            if self.weight_layout == "tiles":
-                pack = pack_tile_weight
-                self._linear, self._linear_add = tile_linear, tile_linear_add
+            pack = self.linears.pack
             for layer in weights.layers:
                 layer.qkv_weight = pack(layer.qkv_weight)
                 layer.o_weight = pack(layer.o_weight)
@@ -169,7 +133,7 @@ class LlamaModel:
         num_tokens = batch.num_tokens
         q_size, kv_size = c.q_size, c.kv_size
         heads_qk = c.num_heads + c.num_kv_heads
-        mm, mm_add = self._linear, self._linear_add
+        mm, mm_add = self.linears.linear, self.linears.linear_add
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
         # The only way to the kernels: bound once for all layers, backend chosen there.
