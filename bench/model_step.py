@@ -37,7 +37,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], steps: int) -> dic
 
     Every other round runs them in reverse order: a function run right after another
     that read the same memory finds part of it in the last-level cache (a one-build
-    A/B showed the second ~5 % faster), so a fixed order would favour the later ones.
+    A/B showed the second one faster), so a fixed order would favour the later ones.
     """
     for fn in fns.values():
         fn()

@@ -40,8 +40,8 @@ from kernels.attention_inputs import AttentionInputs
 from kernels.paged_gather import batch_block_ids, masked_scores_bias
 
 # Gathered K of one attention group stays under this. Larger groups mean fewer, wider SDPA
-# calls (16 MiB vs 4 MiB: batch 16 x 1k-token decode 99 -> 88 ms, 32 x 500 110 -> 99 ms,
-# 2 threads, bf16); the cap keeps one group's K and V buffers to a few tens of MB.
+# calls, which were faster than 4 MiB groups (docs/kernels.md, "Torch references"); the
+# cap keeps one group's K and V buffers to a few tens of MB.
 GATHER_CHUNK_BYTES = 16 << 20
 
 
