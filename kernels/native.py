@@ -42,10 +42,21 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_kv.c", "cpu_layers.c", "cpu_linear.c")
+    for name in (
+        "cpu_attention.c",
+        "cpu_attention_plan.c",
+        "cpu_attention_merge.c",
+        "cpu_attention_portable.c",
+        "cpu_attention_avx512.c",
+        "cpu_attention_bf16.c",
+        "cpu_attention_amx.c",
+        "cpu_kv.c",
+        "cpu_layers.c",
+        "cpu_linear.c",
+    )
 )
 HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_amx.h")
+    Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_amx.h", "cpu_attention.h")
 )  # included by the sources: in the key
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
