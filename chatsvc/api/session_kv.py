@@ -70,18 +70,20 @@ async def forget_session_kv(
 async def shared_with_other_sessions(services, tenant, session: SessionRecord) -> int:
     """The longest token prefix ``session`` shares with another live session of the tenant.
 
-    One pass over the tenant's sessions; each comparison stops at the first token
-    that differs (usually right after a common system prompt).
+    One pass over the tenant's sessions (listing gives summaries; each other's
+    token history is read without refreshing its TTL); each comparison stops at
+    the first token that differs (usually right after a common system prompt).
     """
     tokens = session.token_ids
     best, cursor = 0, None
     while best < len(tokens):
         page, cursor = await services.store.list_sessions(tenant.id, limit=500, cursor=cursor)
-        for other in page:
-            if other.id == session.id:
-                continue
-            common = _common_prefix(tokens, other.token_ids)
-            best = max(best, common)
+        for summary in page:
+            if summary.id == session.id or summary.num_tokens <= best:
+                continue  # an empty or shorter history cannot share more than ``best``
+            other = await services.store.peek_session(tenant.id, summary.id)
+            if other is not None:
+                best = max(best, _common_prefix(tokens, other.token_ids))
         if cursor is None:
             break
     return best

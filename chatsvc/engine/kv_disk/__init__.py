@@ -76,7 +76,6 @@ def open_disk_tier(config, loaded, cache, runner, clock=None) -> DiskTier | None
         log.warning("KV disk tier off: %s cannot be read (%s); serving without it", root, exc)
         return None
     runner.store_blocks = tier.store_blocks
-    runner.after_plans = tier.submit_loads
     log.info(
         "KV disk tier in %s: %d block(s) found, budget %.1f GiB (%s)",
         directory.path,

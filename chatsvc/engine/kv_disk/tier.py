@@ -215,8 +215,6 @@ class DiskTier:
 
     def after_step(self, out, scheduler) -> None:
         """Store the blocks this step indexed (write-through); wait a little when idle."""
-        if out.loads:  # the runner failed before its plans were done
-            self.submit_loads(out)
         for state in self._unsubmitted:
             self._finish_loading(state, scheduler)
         self._unsubmitted.clear()
