@@ -72,8 +72,12 @@ def files_of(server, owner: bytes) -> dict[bytes, object]:
     return {parse_name(p.name).hash: p for p in server.kv_dir.rglob("*.kv") if tag in p.name}
 
 
+def acme_tenant(server):
+    return server.call(server.services.store.tenant_by_name("acme"))
+
+
 def tenant_salt(server) -> bytes:
-    return server.call(server.services.store.tenant_by_api_key(ACME_KEY)).cache_salt
+    return acme_tenant(server).cache_salt
 
 
 def chain(tokens: list[int], salt: bytes) -> list[bytes]:
@@ -90,7 +94,7 @@ def chain(tokens: list[int], salt: bytes) -> list[bytes]:
 
 def stored_tokens(server, session_id: str) -> list[int]:
     store = server.services.store
-    tenant = server.call(store.tenant_by_api_key(ACME_KEY))
+    tenant = acme_tenant(server)
     return list(server.call(store.get_session(tenant.id, session_id)).token_ids)
 
 
