@@ -15,13 +15,23 @@ exception leaves the cache exactly as it was.
 from __future__ import annotations
 
 from .block_table import BlockTable
+from .disk_tier import DiskIndex
 from .errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError
+from .forget import ForgetResult, forget
 from .hashing import ROOT_HASH
 from .integrity import check_integrity
 from .matching import PrefixMatcher
-from .namespace import Namespace
+from .namespace import PUBLIC_KEY, Namespace
 from .pending import PendingBlocks
-from .plan import EMPTY_PLAN, AllocResult, AppendResult, PlanBuilder, PrefixMatch
+from .plan import (
+    EMPTY_PLAN,
+    AllocResult,
+    AppendResult,
+    BlockStore,
+    DiskLoad,
+    PlanBuilder,
+    PrefixMatch,
+)
 from .prefix_index import DEVICE, HOST
 from .sequence import Sequence
 from .stats import CacheStats, used_token_slots
@@ -63,6 +73,21 @@ class KVCacheManager:
         self._matcher = PrefixMatcher(self.tiers, block_size)
         self.pending = PendingBlocks(block_size)
         self._seqs: dict[object, Sequence] = {}
+        self.disk: DiskIndex | None = None
+        self._clock = None
+
+    def attach_disk(self, disk: DiskIndex, clock, write_through: bool = True) -> None:
+        """Put a disk tier under the memory tiers (see docs/cache.md, "Disk tier").
+
+        A prompt's match continues into ``disk`` past the memory tiers, a block
+        dropped from memory is stored there, and with ``write_through`` every
+        newly indexed block is too (``take_stores``). ``clock()`` gives the
+        wall-clock seconds used as the disk blocks' recency.
+        """
+        self.disk = disk
+        self._clock = clock
+        self.tiers.disk = disk
+        self.tiers.new_nodes = [] if write_through else None
 
     # -- queries ------------------------------------------------------------------
 
@@ -115,8 +140,12 @@ class KVCacheManager:
             parent_hash = matched[-1].hash if matched else ROOT_HASH
             num_pending = self.pending.extent(tokens, namespace, len(matched), parent_hash)
         bs = self.block_size
+        num_disk = len(self._match_disk(tokens, namespace, matched))
         return PrefixMatch(
-            len(matched) * bs, num_pending * bs, self._blocks_needed(tokens, matched)
+            len(matched) * bs,
+            num_pending * bs,
+            self._blocks_needed(tokens, matched),
+            num_disk * bs,
         )
 
     def block_table(self, seq_id) -> list[int]:
@@ -140,12 +169,14 @@ class KVCacheManager:
 
     # -- prompt admission ---------------------------------------------------------
 
-    def allocate(self, seq_id, token_ids, namespace: Namespace) -> AllocResult:
+    def allocate(self, seq_id, token_ids, namespace: Namespace, owner: bytes = b"") -> AllocResult:
         """Map the longest cached prefix of the prompt and allocate the rest.
 
         The block holding the last prompt token is never matched: its KV must be
         computed to get the logits. Raises OutOfBlocksError (state unchanged)
-        when free + evictable device blocks do not suffice.
+        when free + evictable device blocks do not suffice. Blocks the disk tier
+        holds right after the memory prefix come back as ``loads`` (in the
+        sequence's fresh blocks); ``owner`` tags the blocks it will index.
         """
         if seq_id in self._seqs:
             raise DuplicateSequenceError(seq_id)
@@ -155,6 +186,7 @@ class KVCacheManager:
         needed = self._blocks_needed(tokens, matched)
         if needed > self.tiers.num_available:
             raise OutOfBlocksError(needed, self.tiers.num_available, f"prompt of {seq_id!r}")
+        on_disk = self._match_disk(tokens, namespace, matched)
 
         tiers = self.tiers
         tick = tiers.index.advance()
@@ -181,11 +213,131 @@ class KVCacheManager:
         num_cached = len(matched) * self.block_size
         last_node = matched[-1] if matched else tiers.index.root
         seq = Sequence(seq_id, tokens, table, namespace, num_cached, len(matched), last_node)
+        seq.owner = owner
         if self.enable_prefix_cache:
             self.pending.register(seq, last_node.hash, len(matched))
         self._seqs[seq_id] = seq
+        loads = ()
+        if self.disk is not None:
+            now = self._clock()
+            self.disk.touch((node.hash for node in matched), now)
+            self.disk.touch((hash_ for hash_, _ in on_disk), now)
+            first = len(matched)
+            bs = self.block_size
+            loads = tuple(
+                DiskLoad(
+                    first + i,
+                    table.block_ids[first + i],
+                    hash_,
+                    parent_hash,
+                    tuple(tokens[(first + i) * bs : (first + i + 1) * bs]),
+                    namespace.key(first + i, bs),
+                )
+                for i, (hash_, parent_hash) in enumerate(on_disk)
+            )
         self._after_mutation()
-        return AllocResult(num_cached, plan.build())
+        seq.num_loading = len(loads)
+        return AllocResult(num_cached, plan.build(), loads, len(host_nodes) * self.block_size)
+
+    def complete_load(self, seq_id, num_blocks: int) -> None:
+        """The first ``num_blocks`` of the sequence's ``loads`` hold verified KV.
+
+        They count as computed (and join the index) and as disk hits; the rest
+        of the loads, if any failed, are computed like any uncached block.
+        """
+        seq = self._seq(seq_id)
+        bs = self.block_size
+        if type(num_blocks) is not int or not 0 <= num_blocks <= seq.num_loading:
+            raise ValueError(
+                f"num_blocks must be an int in [0, {seq.num_loading}] for {seq_id!r}, "
+                f"got {num_blocks!r}"
+            )
+        seq.num_loading = 0
+        if not num_blocks:
+            return
+        first = seq.num_computed // bs
+        self.mark_computed(seq_id, (first + num_blocks) * bs)
+        stats = self.stats
+        node = seq.last_node if seq.num_indexed == first + num_blocks else None
+        for i in reversed(range(first, first + num_blocks)):
+            previous = 0
+            if node is not None and node is not self.tiers.index.root:
+                previous = node.num_hits
+                node.num_hits += 1
+                node = node.parent
+            stats.record_hit(seq.namespace.stats_label(i, bs), bs, previous, tier="disk")
+
+    def take_stores(self) -> list[BlockStore]:
+        """Write-through: blocks indexed since the last call, to copy to the disk tier now.
+
+        Call it before any later plan runs: a store names a device block whose
+        KV is this node's only while the node keeps it.
+        """
+        new = self.tiers.new_nodes
+        if not new:
+            return []
+        self.tiers.new_nodes = []
+        disk = self.disk
+        out = []
+        for node in new:
+            if node.parent is None or node.location != DEVICE:
+                continue
+            if disk.is_stored_or_writing(node.hash):
+                continue
+            out.append(
+                BlockStore(
+                    DEVICE,
+                    node.block_id,
+                    node.hash,
+                    node.parent.hash,
+                    node.token_ids,
+                    node.ns_key == PUBLIC_KEY,
+                    node.owner,
+                )
+            )
+        return out
+
+    def forget(
+        self, token_ids, namespace: Namespace, owner: bytes = b"", keep_tokens: int = 0
+    ) -> ForgetResult:
+        """Delete a conversation's blocks from every tier unless something else uses them.
+
+        ``token_ids``: the conversation's tokens; ``owner``: its session digest,
+        whose blocks below that chain (unacknowledged turns) go too. Blocks of
+        shared system prompts, blocks in use, and blocks another chain hangs
+        from are kept (``cache.forget``), and so are the blocks wholly inside
+        the first ``keep_tokens`` (what another live session shares). The disk
+        blocks returned are already out of the index; the caller deletes their files.
+        """
+        tokens = _checked_tokens(token_ids)
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a cache.Namespace, got {type(namespace).__name__}")
+        keep_blocks = max(0, int(keep_tokens)) // self.block_size
+        result = forget(self.tiers, self.block_size, tokens, namespace, owner, keep_blocks)
+        self._after_mutation()
+        return result
+
+    def _match_disk(self, tokens: list[int], namespace: Namespace, matched: list):
+        """(hash, parent hash) of the blocks the disk tier holds right after ``matched``.
+
+        Within ``tokens[:-1]`` like any match; changes nothing.
+        """
+        disk = self.disk
+        if disk is None or not self.enable_prefix_cache or not len(disk):
+            return []
+        bs = self.block_size
+        hash_block = self._matcher.hash_block
+        parent_hash = matched[-1].hash if matched else ROOT_HASH
+        found = []
+        for i in range(len(matched), (len(tokens) - 1) // bs):
+            hash_ = hash_block(
+                parent_hash, tuple(tokens[i * bs : (i + 1) * bs]), namespace.key(i, bs)
+            )
+            if not disk.continues(hash_, parent_hash):
+                break
+            found.append((hash_, parent_hash))
+            parent_hash = hash_
+        return found
 
     def _check_prompt(self, tokens: list[int], namespace: Namespace) -> None:
         if not tokens:
@@ -212,7 +364,7 @@ class KVCacheManager:
         bs = self.block_size
         stats.record_query(namespace.label, len(tokens))
         for i, node in enumerate(matched):
-            stats.record_hit(namespace.stats_label(i, bs), bs, node.num_hits)
+            stats.record_hit(namespace.stats_label(i, bs), bs, node.num_hits, node.location)
             node.num_hits += 1
 
     # -- decoding -----------------------------------------------------------------
@@ -327,6 +479,16 @@ class KVCacheManager:
         snapshot["device"]["used_token_slots"] = used_token_slots(
             self._seqs.values(), self.block_size
         )
+        disk = self.disk
+        if disk is not None:
+            snapshot["disk"] = {
+                "blocks": len(disk),
+                "writing": len(disk.writing),
+                "used_bytes": disk.used_bytes,
+                "budget_bytes": disk.budget_bytes,
+                "evicted_blocks": disk.num_evicted,
+                "refused_writes": disk.num_refused,
+            }
         return snapshot
 
     def check_integrity(self) -> None:
@@ -334,6 +496,8 @@ class KVCacheManager:
         seqs = list(self._seqs.values())
         check_integrity(self.tiers, seqs, self.block_size)
         self.pending.check(seqs)
+        if self.disk is not None:
+            self.disk.check()
 
     def _seq(self, seq_id) -> Sequence:
         seq = self._seqs.get(seq_id)

@@ -20,6 +20,7 @@ class PrefixMatcher:
         self.tiers = tiers
         self.block_size = block_size
         self._hasher = BlockHasher(block_size)
+        self.hash_block = self._hasher.hash_block
 
     def match(self, tokens: list[int], namespace: Namespace) -> list[PrefixNode]:
         """Verified nodes of the longest cached prefix within ``tokens[:-1]``.
@@ -70,6 +71,7 @@ class PrefixMatcher:
                     seq.index_stopped = True
                     return
                 node = tiers.index_new(parent, hash_, block_tokens, ns_key, own)
+                node.owner = seq.owner
             elif node.location == HOST:
                 tiers.rehome(node, own)
             elif node.block_id != own:

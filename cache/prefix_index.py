@@ -18,6 +18,12 @@ Eviction candidates are found through two heaps keyed by ``last_access`` with
 lazy invalidation: an entry is valid only if the node is still a candidate
 and was not touched since the push. Whoever makes a node a candidate pushes
 it, so popping the oldest valid entry yields the least recently used leaf.
+
+A node's ``last_access`` is the last activity of the sequences (sessions)
+using it: every match and every free stamps the whole chain. Blocks wholly
+inside a shared system prompt (public namespace) go last: the heaps order by
+(class, last_access), so a public leaf is evicted only when no private
+candidate is left.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import heapq
 import itertools
 
 from .hashing import ROOT_HASH
+from .namespace import PUBLIC_KEY
 
 DEVICE = "device"
 HOST = "host"
@@ -40,6 +47,8 @@ class PrefixNode:
     num_device_children: children with location "device"; a device node is a
         leaf for eviction when this is 0.
     num_hits: how many times a prompt reused this block.
+    owner: digest of the session whose request computed the block (b"": none);
+        deleting that session deletes the block unless others still use it.
     """
 
     __slots__ = (
@@ -54,6 +63,7 @@ class PrefixNode:
         "pins",
         "num_device_children",
         "num_hits",
+        "owner",
     )
 
     def __init__(self, hash_, parent, token_ids, ns_key, block_id, location, tick) -> None:
@@ -68,6 +78,7 @@ class PrefixNode:
         self.pins = 0
         self.num_device_children = 0
         self.num_hits = 0
+        self.owner = b""
 
     def __repr__(self) -> str:
         return (
@@ -87,8 +98,8 @@ class PrefixIndex:
         self.root = PrefixNode(ROOT_HASH, None, (), b"", -1, DEVICE, 0)
         self.nodes: dict[bytes, PrefixNode] = {}
         self.tick = 0
-        self._device_heap: list[tuple[int, int, PrefixNode]] = []
-        self._host_heap: list[tuple[int, int, PrefixNode]] = []
+        self._device_heap: list[tuple[int, int, int, PrefixNode]] = []
+        self._host_heap: list[tuple[int, int, int, PrefixNode]] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
@@ -151,12 +162,14 @@ class PrefixIndex:
         node.parent.num_device_children += 1
 
     def push_device_candidate(self, node: PrefixNode) -> None:
-        heapq.heappush(self._device_heap, (node.last_access, next(self._seq), node))
+        entry = (node.ns_key == PUBLIC_KEY, node.last_access, next(self._seq), node)
+        heapq.heappush(self._device_heap, entry)
         if len(self._device_heap) > 4 * len(self.nodes) + 64:
             self._device_heap = self._compact(self._device_heap, DEVICE)
 
     def push_host_candidate(self, node: PrefixNode) -> None:
-        heapq.heappush(self._host_heap, (node.last_access, next(self._seq), node))
+        entry = (node.ns_key == PUBLIC_KEY, node.last_access, next(self._seq), node)
+        heapq.heappush(self._host_heap, entry)
         if len(self._host_heap) > 4 * len(self.nodes) + 64:
             self._host_heap = self._compact(self._host_heap, HOST)
 
@@ -164,7 +177,7 @@ class PrefixIndex:
         """The least recently used unreferenced, unpinned device leaf, or None."""
         heap = self._device_heap
         while heap:
-            tick, _, node = heapq.heappop(heap)
+            _, tick, _, node = heapq.heappop(heap)
             if (
                 node.last_access == tick
                 and node.parent is not None
@@ -180,7 +193,7 @@ class PrefixIndex:
         """The least recently used host node with no children at all, or None."""
         heap = self._host_heap
         while heap:
-            tick, _, node = heapq.heappop(heap)
+            _, tick, _, node = heapq.heappop(heap)
             if (
                 node.last_access == tick
                 and node.parent is not None
@@ -196,9 +209,9 @@ class PrefixIndex:
         kept = [
             entry
             for entry in heap
-            if entry[2].parent is not None
-            and entry[2].location == location
-            and entry[2].last_access == entry[0]
+            if entry[3].parent is not None
+            and entry[3].location == location
+            and entry[3].last_access == entry[1]
         ]
         heapq.heapify(kept)
         return kept

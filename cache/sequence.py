@@ -28,6 +28,8 @@ class Sequence:
         later blocks stay private.
     pending: chained hashes of the prompt blocks ``[pending_start, ...)`` this
         sequence is computing and has not written yet (see ``cache.pending``).
+    owner: digest of the session the sequence belongs to (b"": none); stamped
+        on the blocks it indexes, so deleting the session finds them.
     """
 
     __slots__ = (
@@ -42,6 +44,8 @@ class Sequence:
         "index_stopped",
         "pending",
         "pending_start",
+        "owner",
+        "num_loading",
     )
 
     def __init__(
@@ -65,6 +69,9 @@ class Sequence:
         self.index_stopped = False
         self.pending: list[bytes] = []
         self.pending_start = num_indexed
+        self.owner = b""
+        # Blocks right after num_computed being read from the disk tier.
+        self.num_loading = 0
 
     def fork(self, child_id) -> Sequence:
         """A copy sharing nothing mutable; the caller adds the block references."""
@@ -79,6 +86,7 @@ class Sequence:
         )
         child.pinned = list(self.pinned)
         child.index_stopped = self.index_stopped
+        child.owner = self.owner
         # The parent alone announces its pending blocks; the child never owns them.
         child.pending_start = self.pending_start
         return child

@@ -2,8 +2,9 @@
 
 Hits are counted per statistics label: a hit on a public block (inside a
 shared system prompt) counts under "public", a private hit under the
-tenant's label. Tier usage is not stored here; the manager adds it to the
-snapshot from the pools.
+tenant's label. Hit tokens are also counted per tier the block came from
+("device", "host", "disk"), so their sum is the total. Tier usage is not
+stored here; the manager adds it to the snapshot from the pools.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class CacheStats:
         self.swapped_in_blocks = 0
         self.swapped_out_blocks = 0
         self.cow_copies = 0
+        self.hit_tokens_by_tier: Counter[str] = Counter({"device": 0, "host": 0, "disk": 0})
 
     def label(self, name: str) -> LabelStats:
         stats = self.by_label.get(name)
@@ -61,8 +63,11 @@ class CacheStats:
         stats.lookups += 1
         stats.queried_tokens += num_tokens
 
-    def record_hit(self, label: str, num_tokens: int, previous_hits: int) -> None:
+    def record_hit(
+        self, label: str, num_tokens: int, previous_hits: int, tier: str = "device"
+    ) -> None:
         """One block reused; ``previous_hits`` is how often it had been reused before."""
+        self.hit_tokens_by_tier[tier] += num_tokens
         self.total.hit_tokens += num_tokens
         self.total.hit_blocks += 1
         stats = self.label(label)
@@ -102,6 +107,7 @@ class CacheStats:
             "swapped_in_blocks": self.swapped_in_blocks,
             "swapped_out_blocks": self.swapped_out_blocks,
             "cow_copies": self.cow_copies,
+            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
         }
 
 

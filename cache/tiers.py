@@ -16,13 +16,17 @@ admission check ``free + evictable`` is therefore exact.
 Evicting a device leaf moves its data to the host tier (a swap-out in the
 plan, the node stays indexed with location "host") or, without a host tier,
 drops the node. A full host tier first drops its least recently used leaf.
+With a disk tier (``disk``), a dropped node that is not on disk yet is
+written there (a ``BlockStore`` the plan runs before anything reuses the
+block), so a block moves down a tier instead of being lost.
 """
 
 from __future__ import annotations
 
 from .block_pool import BlockPool
 from .errors import CacheIntegrityError, OutOfBlocksError
-from .plan import PlanBuilder
+from .namespace import PUBLIC_KEY
+from .plan import BlockStore, PlanBuilder
 from .prefix_index import DEVICE, HOST, PrefixIndex, PrefixNode
 from .stats import CacheStats
 
@@ -39,6 +43,9 @@ class TieredBlocks:
         self.node_of_block: list[PrefixNode | None] = [None] * num_blocks
         self.node_of_host_block: list[PrefixNode | None] = [None] * num_host_blocks
         self.num_evictable = 0
+        self.disk = None  # cache.disk_tier.DiskIndex when there is a disk tier
+        # Write-through: nodes indexed since the engine last took them (to store).
+        self.new_nodes: list[PrefixNode] | None = None
 
     @property
     def num_available(self) -> int:
@@ -136,6 +143,8 @@ class TieredBlocks:
         node = self.index.insert(parent, hash_, token_ids, ns_key, block)
         self.node_of_block[block] = node
         self.stats.blocks_indexed += 1
+        if self.new_nodes is not None:
+            self.new_nodes.append(node)
         return node
 
     def rehome(self, node: PrefixNode, block: int) -> None:
@@ -188,9 +197,10 @@ class TieredBlocks:
             )
         block = victim.block_id
         parent = victim.parent
-        host_block = self._take_host_block() if self.host.num_blocks else None
+        host_block = self._take_host_block(plan) if self.host.num_blocks else None
         if host_block is None:
-            self._drop_subtree(victim)
+            self.plan_store(plan, victim)
+            self._drop_subtree(victim, plan)
             self.stats.evictions_dropped += 1
         else:
             plan.swap_out.append((block, host_block))
@@ -206,14 +216,57 @@ class TieredBlocks:
         if parent is not self.index.root and parent.num_device_children == 0:
             self.index.push_device_candidate(parent)
 
-    def _take_host_block(self) -> int | None:
+    def _take_host_block(self, plan: PlanBuilder) -> int | None:
         if not self.host.num_free:
             victim = self.index.pop_host_victim()
             if victim is None:
                 return None
+            self.plan_store(plan, victim)
             self._drop_host_node(victim)
             self.stats.evictions_dropped += 1
         return self.host.allocate()
+
+    def plan_store(self, plan: PlanBuilder, node: PrefixNode) -> None:
+        """Have the plan copy a node's block to the disk tier unless it is there already."""
+        disk = self.disk
+        if disk is None or disk.is_stored_or_writing(node.hash):
+            return
+        location, block = node.location, node.block_id
+        if location == HOST:
+            # Stores run before the plan's swaps: a host block filled by a swap-out
+            # of this same plan still holds older data then, while the device block
+            # it comes from still holds this node's.
+            for device_block, host_block in reversed(plan.swap_out):
+                if host_block == block:
+                    location, block = DEVICE, device_block
+                    break
+        plan.stores.append(
+            BlockStore(
+                location,
+                block,
+                node.hash,
+                node.parent.hash,
+                node.token_ids,
+                node.ns_key == PUBLIC_KEY,
+                node.owner,
+            )
+        )
+
+    def drop_cached_node(self, node: PrefixNode) -> None:
+        """Remove a cached device leaf nobody references or pins; its block is freed."""
+        parent = node.parent
+        block = node.block_id
+        self.index.remove(node)
+        self.node_of_block[block] = None
+        self.num_evictable -= 1
+        self.device.release(block)
+        if parent is not self.index.root and parent.location == DEVICE:
+            if parent.num_device_children == 0:
+                self.index.push_device_candidate(parent)
+
+    def drop_host_node(self, node: PrefixNode) -> None:
+        """Remove a host leaf; its host block is freed."""
+        self._drop_host_node(node)
 
     def _drop_host_node(self, node: PrefixNode) -> None:
         parent = node.parent
@@ -225,7 +278,7 @@ class TieredBlocks:
         if parent.location == HOST and not parent.children:
             self.index.push_host_candidate(parent)
 
-    def _drop_subtree(self, victim: PrefixNode) -> None:
+    def _drop_subtree(self, victim: PrefixNode, plan: PlanBuilder) -> None:
         # Only reached when no host block can be had: the victim's host
         # descendants are useless without it, so they go too (deepest first).
         order = [victim]
@@ -235,4 +288,5 @@ class TieredBlocks:
             if node is victim:
                 self.index.remove(node)
             else:
+                self.plan_store(plan, node)
                 self._drop_host_node(node)

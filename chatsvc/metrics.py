@@ -1,10 +1,12 @@
 """Prometheus metrics of the service, on a registry of its own.
 
-Prefix-cache queries and hits are counted in tokens as counters, so
-``rate(chatsvc_prefix_cache_hits_tokens_total[5m]) /
+Prefix-cache queries and hits are counted in tokens as counters, hits with a
+``tier`` label (device, host, disk), so
+``sum(rate(chatsvc_prefix_cache_hits_tokens_total[5m])) /
 rate(chatsvc_prefix_cache_queries_tokens_total[5m])`` is the hit rate over a
-window (the convention of vLLM's metrics). KV occupancy is sampled from the
-engine at scrape time rather than pushed on every step.
+window (the convention of vLLM's metrics) and ``{tier="disk"}`` its disk part.
+KV occupancy and tier traffic are sampled from the engine at scrape time
+rather than pushed on every step (``chatsvc.kv_metrics``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class Metrics:
         )
         self.cache_hits = Counter(
             "chatsvc_prefix_cache_hits_tokens",
-            "Prompt tokens served from the prefix cache",
+            "Prompt tokens served from the prefix cache, by the tier they came from",
+            ["tier"],
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -88,6 +91,12 @@ class Metrics:
         """Register the source of per-tier (used, total) block counts read at scrape time."""
         self._tiers = tiers
 
+    def sample_tier_traffic_with(self, source: Callable[[], dict[str, Any]]) -> None:
+        """Register the engine's ``cache_stats`` as the source of per-tier traffic metrics."""
+        from chatsvc.kv_metrics import TierTrafficCollector
+
+        self.registry.register(TierTrafficCollector(source))
+
     def observe_request(
         self,
         endpoint: str,
@@ -97,11 +106,14 @@ class Metrics:
         completion_tokens: int,
         ttft_s: float | None,
         tpot_s: float | None,
+        cached_by_tier: dict[str, int] | None = None,
     ) -> None:
         """Record one finished generation (per prompt, not per sample)."""
         self.requests.labels(endpoint=endpoint, status="ok").inc()
         self.cache_queries.inc(prompt_tokens)
-        self.cache_hits.inc(cached_tokens)
+        by_tier = cached_by_tier or {"device": cached_tokens}
+        for tier in ("device", "host", "disk"):
+            self.cache_hits.labels(tier=tier).inc(by_tier.get(tier, 0))
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         if ttft_s is not None:

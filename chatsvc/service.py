@@ -85,9 +85,17 @@ async def bootstrap_tenants(store: Store, settings: Settings) -> TenantDirectory
 
 
 def build_engine(settings: Settings) -> Any:
+    from dataclasses import replace
+
     from chatsvc.engine import AsyncEngine, EngineConfig
 
-    config = settings.engine if settings.engine is not None else EngineConfig.from_env()
+    config = settings.engine
+    if config is None:
+        config = EngineConfig.from_env()
+        if config.kv_disk_dir is None:
+            # The disk KV tier is on by default, beside the embedded Redis's data, so a
+            # restarted service finds its sessions' KV again ($CHATSVC_KV_DISK_DIR moves it).
+            config = replace(config, kv_disk_dir=str(settings.redis_dir().parent / "kv"))
     return AsyncEngine(config)
 
 
@@ -133,6 +141,9 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         services.metrics.sample_tiers_with(
             lambda: tier_usage(engine.cache_stats()) if engine.is_running else {}
         )
+        services.metrics.sample_tier_traffic_with(
+            lambda: engine.cache_stats() if engine.is_running else {}
+        )
         yield services
         services.engine_started = False
 
@@ -153,7 +164,7 @@ def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
     A device block is occupied when referenced or holding cached data (not free).
     """
     usage = {}
-    for tier in ("device", "host"):
+    for tier in ("device", "host", "disk"):
         info = stats.get(tier)
         if isinstance(info, dict) and "total" in info:
             total = int(info["total"])

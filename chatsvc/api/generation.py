@@ -244,4 +244,5 @@ def record_finished(services: Services, endpoint: str, labels: dict[str, str], s
         completion_tokens=completion,
         ttft_s=first.ttft_s,
         tpot_s=first.tpot_s,
+        cached_by_tier=first.cached_tokens_by_tier,
     )

@@ -104,6 +104,8 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # cached_tokens by the tier the KV came from: "device", "host", "disk" (sums to it).
+    cached_tokens_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Timings(msgspec.Struct, kw_only=True):

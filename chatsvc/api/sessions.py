@@ -14,6 +14,7 @@ from chatsvc.api.errors import (
     documented_errors,
 )
 from chatsvc.api.schemas import CreateSession, SessionList, SessionView
+from chatsvc.api.session_kv import delete_session_and_kv
 from chatsvc.api.turn import UNKNOWN_SESSION, get_session
 from chatsvc.store.records import SessionRecord, SessionSummary
 
@@ -125,11 +126,8 @@ class SessionController(Controller):
     async def delete_session(
         self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> None:
-        try:
-            deleted = await services.store.delete_session(tenant.id, session_id)
-        except ValueError:
-            deleted = False
-        if not deleted:
+        """Delete the session's keys, then its KV blocks in every tier (files included)."""
+        if not await delete_session_and_kv(services, tenant, session_id):
             raise NotFoundError(UNKNOWN_SESSION)
 
 

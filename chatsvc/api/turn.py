@@ -133,7 +133,9 @@ async def _prepare(services, tenant, session_id, text, sampling, requested) -> P
     system = None
     if session.system_prompt_id is not None:
         system = await store.get_system_prompt(tenant.id, session.system_prompt_id)
-    labels = {"tenant": tenant.id}
+    # "session" lets the engine tag the blocks this turn computes with their session,
+    # so deleting the session finds them (it only tags: statistics ignore it).
+    labels = {"tenant": tenant.id, "session": session.id}
     if session.system_prompt_id is not None:
         labels["system_prompt"] = session.system_prompt_id
     if not reused and session.token_ids:
@@ -241,6 +243,7 @@ async def _store_turn(services, tenant, turn: PreparedTurn, sample, lock: RedisL
             prompt_tokens=m.prompt_tokens,
             cached_tokens=m.cached_prompt_tokens,
             completion_tokens=m.completion_tokens,
+            cached_tokens_by_tier=dict(m.cached_tokens_by_tier),
         ),
         timings=Timings(ttft_s=m.ttft_s, tpot_s=m.tpot_s, latency_s=m.latency_s),
         prefix_reused=turn.reused,

@@ -181,6 +181,27 @@ class AsyncEngine:
         """Run the cache's integrity checker between steps; raises on a broken invariant."""
         self._between_steps(lambda e: e.check_integrity())
 
+    async def forget_session(
+        self, session: str, token_ids: list[int], namespace, keep_tokens: int = 0
+    ) -> dict:
+        """Delete a session's KV from every tier, disk files included (see LLMEngine).
+
+        Its running requests end with an abort delta. Returns the blocks removed
+        per tier once their files are gone.
+        """
+
+        def forget(engine: LLMEngine):
+            outputs, counts, done = engine.forget_session(
+                session, token_ids, namespace, keep_tokens
+            )
+            self._deliver(outputs)
+            return counts, done
+
+        counts, done = await self._call("call", forget)
+        if done is not None:
+            await asyncio.wrap_future(done)
+        return counts
+
     # -- plumbing -----------------------------------------------------------------
 
     @property
@@ -244,6 +265,7 @@ class AsyncEngine:
         for request_id in list(engine._requests):  # noqa: SLF001
             engine.abort_request(request_id)
         self._apply_commands(engine)
+        engine.close()  # the disk tier stores what only memory held, then stops its I/O
         self._close()
 
     def _die(self, error: BaseException) -> None:

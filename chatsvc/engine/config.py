@@ -19,6 +19,12 @@ class EngineConfig:
     tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
     checker after every mutation (slow; for tests).
+
+    Disk tier (``chatsvc.engine.kv_disk``): block files under ``kv_disk_dir`` (None: no
+    disk tier; the service sets ``$CHATSVC_DATA_DIR/kv``), at most ``kv_disk_bytes``
+    (None: the smaller of 8 GiB and a tenth of the free space, re-checked; 0: off).
+    ``kv_disk_write`` is "through" (store each block once it is computed) or "back"
+    (only when the memory tiers drop it, and at shutdown).
     """
 
     model: str = "smollm2"
@@ -39,6 +45,12 @@ class EngineConfig:
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
     num_threads: int | None = None  # torch intra-op threads; None: one per CPU core
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = None
+    kv_disk_write: str = "through"
+    kv_disk_fsync: bool = False  # fsync each block file (a checksum catches torn ones anyway)
+    kv_disk_queue_blocks: int = 64  # block writes in flight; more are dropped, never waited for
+    kv_disk_retry_s: int = 10  # writes pause this long after a write error
 
     def validate(self) -> EngineConfig:
         """Raise ValueError on the first bad value; returns self."""
@@ -62,6 +74,14 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_defer_steps < 0:
             raise ValueError(f"max_defer_steps must be >= 0, got {self.max_defer_steps}")
+        if self.kv_disk_bytes is not None and self.kv_disk_bytes < 0:
+            raise ValueError(f"kv_disk_bytes must be >= 0 (0 = off), got {self.kv_disk_bytes}")
+        if self.kv_disk_write not in ("through", "back"):
+            raise ValueError(
+                f"kv_disk_write must be 'through' or 'back', got {self.kv_disk_write!r}"
+            )
+        if self.kv_disk_queue_blocks < 1 or self.kv_disk_retry_s < 0:
+            raise ValueError("kv_disk_queue_blocks must be >= 1 and kv_disk_retry_s >= 0")
         return self
 
     def num_blocks_for(self, block_bytes: int) -> int:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import KVCacheManager
+from cache.forget import owner_digest
 from chatsvc.engine.allocator import keep_freed_memory
 from chatsvc.engine.chat_format import ChatFormat
 from chatsvc.engine.config import EngineConfig
@@ -37,8 +38,10 @@ from chatsvc.engine.errors import (
     RequestTooLargeError,
     RequestValidationError,
 )
+from chatsvc.engine.kv_disk import open_disk_tier
 from chatsvc.engine.loader import LoadedModel, load_model
 from chatsvc.engine.request import (
+    CACHE_TIERS,
     FinishReason,
     GenerationDelta,
     GenerationRequest,
@@ -126,6 +129,8 @@ class LLMEngine:
         )
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
+        # Block files below the memory tiers (None when off or unusable here).
+        self.disk_tier = open_disk_tier(config, loaded, self.cache, self.runner)
 
     # -- requests -----------------------------------------------------------------
 
@@ -179,7 +184,8 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        # Loads of aborted requests still hold blocks until they land.
+        return bool(self._requests) or (self.disk_tier is not None and self.disk_tier.has_work)
 
     @property
     def num_requests(self) -> int:
@@ -194,17 +200,28 @@ class LLMEngine:
         a failure of the scheduler, the cache plans or the cache's bookkeeping is
         raised (see the module docstring).
         """
+        disk = self.disk_tier
+        if disk is not None:
+            disk.before_step(self.scheduler)
         out = self.scheduler.schedule()
         outputs: list[StepOutput] = []
         for seq, error in out.failed:
             outputs.extend(self._fail_request(seq.request.request_id, error))
         self.runner.execute_plans(out.plans)
-        if not out.scheduled:
-            return outputs
-        items, logits = self._forward(out.scheduled, outputs)
-        if not items:
-            return outputs
-        completing, logits = self.runner.commit(items, self.cache, logits)
+        if disk is not None:
+            # After the plans (one may have held the blocks' old data), before the
+            # forward, so the reads overlap the step's compute.
+            disk.submit_loads(out)
+        completing, logits = [], None
+        if out.scheduled:
+            items, logits = self._forward(out.scheduled, outputs)
+            if items:
+                completing, logits = self.runner.commit(items, self.cache, logits)
+        # Store the blocks the step indexed, even when it computed nothing (a loading
+        # sequence is waited on there). Not after an exception: the engine's state is
+        # then in doubt and nothing of it may reach the disk.
+        if disk is not None:
+            disk.after_step(out, self.scheduler)
         if completing:
             outputs.extend(self._sample_and_stop([s.seq for s in completing], logits))
         return outputs
@@ -277,6 +294,7 @@ class LLMEngine:
             self.cache.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.cached_by_tier = dict(parent.cached_by_tier)
             child.arrival_time = parent.arrival_time
             self.scheduler.add_forked(child)
             state.seqs.append(child)
@@ -344,7 +362,9 @@ class LLMEngine:
 
     def _new_sequence(self, request: GenerationRequest, index: int) -> Sequence:
         params = request.sampling
+        session = request.labels.get("session")
         return Sequence(
+            cache_owner=owner_digest(request.namespace.tenant_salt, session) if session else b"",
             seq_id=next(self._seq_ids),
             request=request,
             sample_index=index,
@@ -365,6 +385,7 @@ class LLMEngine:
         return RequestMetrics(
             prompt_tokens=seq.num_prompt_tokens,
             cached_prompt_tokens=seq.num_cached_tokens,
+            cached_tokens_by_tier={t: seq.cached_by_tier.get(t, 0) for t in CACHE_TIERS},
             completion_tokens=num_out,
             ttft_s=(first - seq.arrival_time) if first is not None else 0.0,
             tpot_s=tpot,
@@ -377,7 +398,58 @@ class LLMEngine:
         snapshot = self.cache.stats_snapshot()
         snapshot["num_preemptions"] = self.scheduler.num_preemptions
         snapshot["block_size"] = self.config.block_size
+        snapshot["block_bytes"] = self.model.kv_shape(self.config.block_size).block_bytes(
+            self.model.dtype
+        )
+        if self.disk_tier is not None:
+            snapshot["disk"].update(self.disk_tier.stats_snapshot())
         return snapshot
+
+    def forget_session(
+        self, session: str, token_ids: list[int], namespace, keep_tokens: int = 0
+    ) -> tuple:
+        """Delete a session's KV from every tier (its stored tokens and what it computed).
+
+        The session's running requests (``labels["session"]``, same tenant) are
+        aborted first, and their tokens forgotten too. Blocks wholly inside the
+        first ``keep_tokens`` stay (another live session shares them). Returns
+        (abort deltas for their callers, counts of blocks removed per tier, a
+        future for the file deletions or None).
+        """
+        owner = owner_digest(namespace.tenant_salt, session)
+        chains = []
+        outputs = []
+        for request_id, state in list(self._requests.items()):
+            request = state.request
+            if request.labels.get("session") != session:
+                continue
+            if request.namespace.tenant_salt != namespace.tenant_salt:
+                continue
+            chains.extend(seq.token_ids() for seq in state.seqs)
+            outputs.extend(self.abort_request(request_id))
+        chains.append(list(token_ids))
+        counts = {"device": 0, "host": 0, "disk": 0, "kept": 0}
+        done = None
+        # Longest first: an aborted turn's blocks hang below the stored history.
+        for chain in sorted(chains, key=len, reverse=True):
+            if self.disk_tier is not None:
+                removed, done = self.disk_tier.forget(chain, namespace, owner, keep_tokens)
+            else:
+                result = self.cache.forget(chain, namespace, owner, keep_tokens)
+                removed = {
+                    "device": result.device_blocks,
+                    "host": result.host_blocks,
+                    "kept": result.kept_blocks,
+                }
+            for tier, count in removed.items():
+                counts[tier] += count
+        return outputs, counts, done
+
+    def close(self) -> None:
+        """Stop the disk tier's I/O (storing what it still has to); the engine is done."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+            self.disk_tier = None
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

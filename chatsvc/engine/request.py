@@ -21,6 +21,7 @@ MAX_STOP_TOKEN_IDS = 64
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 FinishReason = Literal["stop", "length", "abort"]
+CACHE_TIERS = ("device", "host", "disk")
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,11 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Per-sample figures, reported on the last delta of each sample index."""
+    """Per-sample figures, reported on the last delta of each sample index.
+
+    ``cached_tokens_by_tier`` splits ``cached_prompt_tokens`` by where the blocks
+    were found (CACHE_TIERS: "device", "host", "disk").
+    """
 
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -137,6 +142,7 @@ class RequestMetrics:
     ttft_s: float
     tpot_s: float
     latency_s: float
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

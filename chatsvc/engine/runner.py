@@ -24,6 +24,7 @@ from cache import CachePlan, KVCacheManager
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.llama import LlamaModel
 from chatsvc.engine.scheduler import ScheduledSequence, SchedulerOutput
+from chatsvc.engine.swap_stream import SwapStream
 from kernels import copy_blocks
 from kernels.kv_layout import new_kv_pool
 
@@ -43,16 +44,23 @@ class ModelRunner:
             if num_host_blocks
             else None
         )
+        # Set by the disk tier (chatsvc.engine.kv_disk): copy blocks a plan drops
+        # from memory out before the plan reuses them.
+        self.store_blocks = None
+        # Tier swaps on their own CUDA stream, ordered by stream waits (swap_stream.py).
+        self.swaps = SwapStream(self.kv_pool.device)
 
     def execute_plan(self, plan: CachePlan) -> None:
         """Run one plan's copies in the order the cache requires."""
+        if plan.stores and self.store_blocks is not None:
+            self.store_blocks(plan.stores)
         if plan.swap_out or plan.swap_in:
             if self.host_pool is None:
                 raise RuntimeError("the cache planned a host swap but there is no host pool")
         if plan.swap_out:
-            copy_blocks(self.kv_pool, self.host_pool, _pairs(plan.swap_out))
+            self.swaps.copy(self.kv_pool, self.host_pool, _pairs(plan.swap_out))
         if plan.swap_in:
-            copy_blocks(self.host_pool, self.kv_pool, _pairs(plan.swap_in))
+            self.swaps.copy(self.host_pool, self.kv_pool, _pairs(plan.swap_in))
         if plan.copies:
             copy_blocks(self.kv_pool, self.kv_pool, _pairs(plan.copies))
 

@@ -34,6 +34,12 @@ in the prefix index (on the device, or swapped to the host when evicted), so on
 re-admission ``allocate`` re-matches them and only the tail is recomputed. It
 goes back to the front of the waiting queue.
 
+Disk hits: when a candidate's match continues into the disk tier, ``allocate``
+hands back loads for those blocks. The sequence then holds its blocks and
+waits in LOADING (``loading``; never a preemption victim, never scheduled)
+while the disk tier reads them and other sequences step; ``finish_loading``
+counts the verified ones as computed and it joins the running list.
+
 No deadlock: a request that could never fit (more blocks than the pool) is
 refused at submit time, so a sequence alone in the engine always fits; if the
 sequence that cannot grow is the only candidate left it preempts itself and is
@@ -107,6 +113,7 @@ class SchedulerOutput:
     plans: list[CachePlan] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+    loads: list[tuple[Sequence, tuple]] = field(default_factory=list)  # (seq, cache DiskLoads)
 
     @property
     def num_tokens(self) -> int:
@@ -122,13 +129,14 @@ class Scheduler:
         self.config = config.validate()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[int, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_deferrals = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING)."""
@@ -148,6 +156,23 @@ class Scheduler:
             self.cache.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        # A loading sequence keeps its blocks until its loads land: the disk tier
+        # is writing into them (finish_loading frees them then).
+
+    def finish_loading(self, seq: Sequence, num_blocks: int) -> None:
+        """The disk tier read the first ``num_blocks`` of the sequence's loads; it runs now."""
+        del self.loading[seq.seq_id]
+        if seq.is_finished:  # aborted or failed while it waited
+            self.cache.free(seq.seq_id)
+            return
+        self.cache.complete_load(seq.seq_id, num_blocks)
+        done = self.cache.num_computed_tokens(seq.seq_id)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens += done - seq.num_computed_tokens
+            seq.cached_by_tier["disk"] = done - seq.num_computed_tokens
+        seq.num_computed_tokens = done
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; mutates the cache (slots, allocations, preemptions)."""
@@ -225,7 +250,8 @@ class Scheduler:
             return
         urgent, ranked = self._ranked_waiting()
         candidates = [(seq, False) for seq in urgent] + [(seq, True) for seq in ranked]
-        queue = FairQueue(candidates, self.running)
+        # A loading sequence holds its slots (it runs once its loads land).
+        queue = FairQueue(candidates, [*self.running, *self.loading.values()])
         while queue and budget > 0:
             seq, may_defer = queue.pop()
             # A request with n above the cap still runs, alone, rather than never.
@@ -243,7 +269,7 @@ class Scheduler:
                 continue
             needed = match.num_blocks_needed
             if not self.cache.can_allocate(needed):
-                if not self.running and not out.scheduled:
+                if not self.running and not out.scheduled and not self.loading:
                     # Nothing else holds blocks: it will never fit. Refused at submit
                     # time already, so this is a safety net against a silent stall.
                     self.waiting.remove(seq)
@@ -253,14 +279,24 @@ class Scheduler:
                     )
                     out.failed.append((seq, error))
                 break
-            result = self.cache.allocate(seq.seq_id, seq.token_ids(), seq.request.namespace)
+            result = self.cache.allocate(
+                seq.seq_id, seq.token_ids(), seq.request.namespace, owner=seq.cache_owner
+            )
             if not result.plan.is_empty:
                 out.plans.append(result.plan)
             self.waiting.remove(seq)
             if not seq.was_admitted:
                 seq.num_cached_tokens = result.num_cached_tokens
+                host = result.num_host_tokens
+                seq.cached_by_tier = {"device": result.num_cached_tokens - host, "host": host}
                 seq.was_admitted = True
             seq.num_computed_tokens = result.num_cached_tokens
+            if result.loads:
+                seq.status = SequenceStatus.LOADING
+                self.loading[seq.seq_id] = seq
+                out.loads.append((seq, result.loads))
+                queue.admit(seq)
+                continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             queue.admit(seq)

@@ -34,6 +34,7 @@ from chatsvc.engine.request import FinishReason, GenerationRequest, SamplingPara
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # never admitted
     RUNNING = "running"  # holds blocks in the cache
+    LOADING = "loading"  # holds blocks, waits for the disk tier to fill some of them
     PREEMPTED = "preempted"  # blocks freed, waiting for re-admission
     FINISHED = "finished"
 
@@ -61,6 +62,9 @@ class Sequence:
     num_deferred_steps: int = 0  # steps admission skipped it to wait for a pending prefix
     was_admitted: bool = False
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
+    # num_cached_tokens by the tier the blocks came from ("device", "host", "disk").
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    cache_owner: bytes = b""  # the session's digest, stamped on the blocks it computes
 
     @property
     def sampling(self) -> SamplingParams:

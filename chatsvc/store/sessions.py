@@ -190,6 +190,13 @@ class SessionStore:
                 await self._touch(session_id)
         return session
 
+    async def peek_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
+        """Like ``get_session`` but leaves its TTL alone: a read on another session's behalf."""
+        check_id("tenant", tenant_id)
+        check_id("session", session_id)
+        with self._unavailable():
+            return await self._read_session(tenant_id, session_id)
+
     async def _read_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
         # One MULTI so the summary and the token history are read at the same instant.
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -97,7 +97,10 @@ class ProcessServer:
         self.module = module
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, **env, "CHATSVC_PORT": str(self.port)}
+        # The disk KV tier (on by default) keeps its files beside the log, not in the
+        # user's data directory, unless the test names a directory of its own.
+        kv_dir = {"CHATSVC_KV_DISK_DIR": str(log_path.parent / "kv")}
+        self.env = {**os.environ, **kv_dir, **env, "CHATSVC_PORT": str(self.port)}
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -1,0 +1,165 @@
+"""Deleting a conversation's KV from every tier (KV can be inverted to text).
+
+A session's blocks are the chain of its token history in the tenant's
+namespace, plus whatever the same session computed below that chain and never
+stored (an aborted or unacknowledged turn): its nodes carry the session's
+owner digest. Among those candidates a block is removed only when nothing
+else still needs it::
+
+    session A   [ pub ][ pub ][ a2 ][ a3 ][ a4 ][ a5 ]
+                                      |            \\
+    session B                         +-[ b4 ]      [ x6 ]  owner A, never stored
+
+    removed: x6, a5, a4 (deepest first); a3 stays (b4 hangs from it), so do
+    a2 and the public blocks of the shared system prompt
+
+Walking deepest first, a candidate goes when it is private (never a block of
+a shared system prompt), no table references or pins it, and every child it
+has, in memory or on disk, was removed before it.
+
+The structure cannot tell when another session's whole history is a prefix of
+this one (two sessions that began alike): the caller, which knows the live
+sessions, passes ``keep_blocks``, the leading blocks some other one shares.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import xxhash
+
+from .hashing import ROOT_HASH, BlockHasher
+from .namespace import PUBLIC_KEY, Namespace
+from .prefix_index import DEVICE, PrefixNode
+from .tiers import TieredBlocks
+
+
+class ForgetResult(NamedTuple):
+    """What ``forget`` removed: blocks per memory tier, and disk blocks whose files go
+    (``DiskEntry`` or ``PendingWrite``: hash, parent_hash, owner, shared)."""
+
+    device_blocks: int
+    host_blocks: int
+    disk_blocks: tuple
+    kept_blocks: int
+
+
+class _Candidate:
+    __slots__ = ("hash", "depth", "node", "public")
+
+    def __init__(self, hash_: bytes, depth: int, node: PrefixNode | None, public: bool) -> None:
+        self.hash = hash_
+        self.depth = depth
+        self.node = node
+        self.public = public
+
+
+def forget(
+    tiers: TieredBlocks,
+    block_size: int,
+    token_ids: list[int],
+    namespace: Namespace,
+    owner: bytes,
+    keep_blocks: int = 0,
+) -> ForgetResult:
+    """Remove the chain of ``token_ids`` and ``owner``'s blocks below it (see module doc)."""
+    disk = tiers.disk
+    chain = _chain(tiers, BlockHasher(block_size), block_size, token_ids, namespace)
+    candidates = {h: c for h, c in chain.items() if c.depth >= keep_blocks}
+    num_kept = len(chain) - len(candidates)
+    if owner:
+        _add_owned_descendants(tiers, chain, candidates, owner)
+    removed: set[bytes] = set()
+    num_device = num_host = 0
+    disk_blocks: list = []
+    for cand in sorted(candidates.values(), key=lambda c: c.depth, reverse=True):
+        node = cand.node
+        if cand.public or not _children(tiers, cand.hash, node) <= removed:
+            num_kept += 1
+            continue
+        if node is not None:
+            if node.location == DEVICE:
+                if node.pins or tiers.device.refcounts[node.block_id]:
+                    num_kept += 1
+                    continue
+                tiers.drop_cached_node(node)
+                num_device += 1
+            else:
+                tiers.drop_host_node(node)
+                num_host += 1
+        if disk is not None:
+            gone = disk.remove(cand.hash)
+            if gone is not None:
+                disk_blocks.append(gone)
+        removed.add(cand.hash)
+    return ForgetResult(num_device, num_host, tuple(disk_blocks), num_kept)
+
+
+def owner_digest(tenant_salt: bytes, session_key: str) -> bytes:
+    """The owner tag of a session's blocks: 8 bytes, keyed by the tenant's secret salt,
+    so file names and memory never carry the session id itself."""
+    return xxhash.xxh3_64_digest(b"owner\0" + tenant_salt + session_key.encode())
+
+
+def _chain(tiers, hasher, block_size, token_ids, namespace) -> dict[bytes, _Candidate]:
+    # The memory index is a tree, so once a block misses there, no later block of
+    # the chain can be in memory; the disk tier may still hold later ones.
+    index = tiers.index
+    disk = tiers.disk
+    out: dict[bytes, _Candidate] = {}
+    parent_hash, parent = ROOT_HASH, index.root
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        key = namespace.key(i, block_size)
+        hash_ = hasher.hash_block(parent_hash, block, key)
+        node = index.lookup(parent, hash_, block, key) if parent is not None else None
+        on_disk = disk is not None and disk.is_stored_or_writing(hash_)
+        if node is not None or on_disk:
+            out[hash_] = _Candidate(hash_, i, node, key == PUBLIC_KEY)
+        parent_hash, parent = hash_, node
+    return out
+
+
+def _add_owned_descendants(tiers, chain, candidates: dict[bytes, _Candidate], owner: bytes):
+    # From every block of the chain, kept ones included: an unstored turn of this
+    # session may hang below a block another session shares.
+    disk = tiers.disk
+    stack = list(chain.values())
+    while stack:
+        cand = stack.pop()
+        for child_hash, child in _child_items(tiers, cand.hash, cand.node):
+            if child_hash in chain or child_hash in candidates:
+                continue
+            if child is not None:
+                child_owner, public = child.owner, child.ns_key == PUBLIC_KEY
+            else:
+                entry = disk.describe(child_hash) if disk is not None else None
+                if entry is None:
+                    continue
+                child_owner, public = entry.owner, entry.shared
+            if child_owner != owner:
+                continue
+            found = _Candidate(child_hash, cand.depth + 1, child, public)
+            candidates[child_hash] = found
+            stack.append(found)
+
+
+def _child_items(tiers, hash_: bytes, node: PrefixNode | None):
+    """(hash, memory node or None) of every child, in memory or on disk."""
+    seen = {}
+    if node is not None:
+        seen.update(node.children)
+    disk = tiers.disk
+    if disk is not None:
+        for child in disk.child_hashes(hash_) | disk.writing_children(hash_):
+            seen.setdefault(child, None)
+    return seen.items()
+
+
+def _children(tiers, hash_: bytes, node: PrefixNode | None) -> set[bytes]:
+    found = set(node.children) if node is not None else set()
+    disk = tiers.disk
+    if disk is not None:
+        found |= disk.child_hashes(hash_)
+        found |= disk.writing_children(hash_)
+    return found

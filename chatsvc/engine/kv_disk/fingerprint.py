@@ -1,0 +1,111 @@
+"""The model fingerprint: which KV a disk block may be loaded into.
+
+KV is only reusable by the exact computation that produced it, so the
+fingerprint covers everything that changes a block's bytes or their meaning:
+
+    format version | model identity (name and shape) | weights digest
+    | dtype | block size | KV layout (kv_layout's dims and their order)
+
+A block written under another fingerprint is never loaded: the tier keeps each
+fingerprint's files in a directory of its own, and every file's header
+repeats the fingerprint, checked on load.
+
+Weights digests hash the checkpoint files (``*.safetensors`` and
+``config.json``); they are remembered per file (size, mtime) in a small JSON
+file so a restart does not read gigabytes again. Random-weight models hash
+their spec, seed and the torch version that generated them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kernels.kv_layout import KVShape
+
+FORMAT_VERSION = 1
+# The order of kv_layout's pool dims; a change there must change this string.
+KV_LAYOUT = "block,layer,kv,token,head,dim"
+_CHUNK = 8 << 20
+log = logging.getLogger(__name__)
+
+
+def model_fingerprint(
+    loaded, dtype: torch.dtype, kv_shape: KVShape, seed: int, memo_path: Path | None
+) -> bytes:
+    """16 bytes naming the model, weights, dtype, block size and KV layout."""
+    identity = {
+        "format": FORMAT_VERSION,
+        "name": loaded.name,
+        "config": dataclasses.asdict(loaded.config),
+        "weights": weights_digest(loaded, seed, memo_path),
+        "dtype": str(dtype),
+        "kv_shape": dataclasses.asdict(kv_shape),
+        "kv_layout": KV_LAYOUT,
+    }
+    blob = json.dumps(identity, sort_keys=True, default=str).encode()
+    return xxhash.xxh3_128_digest(blob)
+
+
+def weights_digest(loaded, seed: int, memo_path: Path | None) -> str:
+    """Hex digest of the weights ``loaded`` was built from."""
+    if loaded.path is None:
+        return f"{loaded.name}:seed={seed}:torch={torch.__version__}"
+    directory = Path(loaded.path)
+    files = sorted(directory.glob("*.safetensors")) + [directory / "config.json"]
+    memo = _read_memo(memo_path)
+    digest = xxhash.xxh3_128()
+    changed = False
+    for path in files:
+        if not path.is_file():
+            continue
+        stat = path.stat()
+        key = str(path.resolve())
+        known = memo.get(key)
+        if known is not None and known[:2] == [stat.st_size, stat.st_mtime_ns]:
+            file_digest = known[2]
+        else:
+            file_digest = _file_digest(path)
+            memo[key] = [stat.st_size, stat.st_mtime_ns, file_digest]
+            changed = True
+        digest.update(f"{path.name}:{file_digest};".encode())
+    if changed:
+        _write_memo(memo_path, memo)
+    return digest.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_memo(memo_path: Path | None) -> dict:
+    if memo_path is None:
+        return {}
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _write_memo(memo_path: Path | None, memo: dict) -> None:
+    if memo_path is None:
+        return
+    tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f)
+        os.replace(tmp, memo_path)
+    except OSError as exc:  # only a cache of digests: the next start recomputes
+        log.debug("could not save weight digests to %s: %s", memo_path, exc)

@@ -1,0 +1,257 @@
+"""The disk tier's jobs, each run once on the I/O thread; results stay on the job.
+
+A job touches only what it was handed: a snapshot buffer (writes), the pool
+block its sequence holds while it loads (loads), paths (deletes). The engine
+thread reads the results after the worker lists the job as done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from cache.plan import DiskLoad
+from chatsvc.engine.kv_disk.fileformat import (
+    CORRUPT,
+    FOREIGN,
+    OK,
+    TMP_PREFIX,
+    BlockMeta,
+    encode_header,
+    header_len,
+    verify,
+)
+
+MISSING, READ_ERROR = "missing", "read_error"
+_names = itertools.count()
+
+
+class WriteJob:
+    """Write one block: a temporary file, then a rename to its final name."""
+
+    kind = "write"
+
+    def __init__(
+        self,
+        path: Path,
+        meta: BlockMeta,
+        token_ids,
+        fingerprint: bytes,
+        buffer,
+        ready=None,
+        fsync: bool = False,
+    ) -> None:
+        self.path = path
+        self.meta = meta
+        self.token_ids = token_ids
+        self.fingerprint = fingerprint
+        self.buffer = buffer  # SnapshotBuffer holding the block's K/V bytes
+        self.ready = ready  # a CUDA event the snapshot copy recorded, or None
+        self.fsync = fsync
+        self.error: OSError | None = None
+        self.nbytes = 0
+
+    def run(self) -> None:
+        try:
+            if self.ready is not None:
+                self.ready.synchronize()
+            data = self.buffer.view
+            header = encode_header(self.meta, self.token_ids, self.fingerprint, len(data), data)
+            self.nbytes = len(header) + len(data)
+            _write_file(self.path, [header, data], self.fsync)
+        except OSError as exc:
+            self.error = exc
+        finally:
+            self.buffer.release()
+
+
+def _write_file(path: Path, parts: list, fsync: bool) -> None:
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}.{next(_names)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            views = [memoryview(p).cast("B") for p in parts]
+            while views:
+                written = os.writev(fd, views)
+                while views and written >= len(views[0]):
+                    written -= len(views[0])
+                    views.pop(0)
+                if views and written:
+                    views[0] = views[0][written:]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        # The rename is what makes the block visible: a reader finds either no
+        # file or a complete one.
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class LoadJob:
+    """Read one block into the pool block its sequence holds, and verify it.
+
+    On a CPU pool ``dest`` is the pool block's own memory: one ``preadv`` fills
+    the header buffer and the block. With a CUDA pool ``dest`` is a pinned
+    staging buffer, copied to ``device_block`` on the worker's stream once
+    verified (after ``ready``: the step's plans, which may have held the block's
+    previous data, ran first).
+    """
+
+    kind = "load"
+
+    def __init__(
+        self,
+        seq_id,
+        index: int,
+        load: DiskLoad,
+        path: Path,
+        dest,
+        fingerprint: bytes,
+        data_nbytes: int,
+        device_block=None,
+        ready=None,
+        stream=None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.index = index
+        self.load = load
+        self.path = path
+        self.dest = dest
+        self.fingerprint = fingerprint
+        self.data_nbytes = data_nbytes
+        self.device_block = device_block
+        self.ready = ready
+        self.stream = stream
+        self.result = READ_ERROR
+        self.error: OSError | None = None
+        self.submitted = time.perf_counter()
+        self.latency_s = 0.0
+
+    def run(self) -> None:
+        try:
+            self.result = self._read()
+        except OSError as exc:
+            self.error = exc
+            self.result = READ_ERROR
+        self.latency_s = time.perf_counter() - self.submitted
+
+    def _read(self) -> str:
+        load = self.load
+        header = bytearray(header_len(len(load.token_ids)))
+        data = self.dest.view
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return MISSING
+        try:
+            size = os.fstat(fd).st_size
+            num_read = os.preadv(fd, [header, data], 0)
+        finally:
+            os.close(fd)
+        result = verify(
+            header,
+            data,
+            num_read if size == num_read else -1,
+            self.fingerprint,
+            load.hash,
+            load.parent_hash,
+            load.token_ids,
+            load.ns_key,
+            self.data_nbytes,
+        )
+        if result in (CORRUPT, FOREIGN):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            return result
+        if result != OK:
+            return result
+        if self.device_block is not None:
+            self._to_device()
+        try:
+            os.utime(self.path)  # the block's recency survives a restart
+        except OSError:
+            pass
+        return OK
+
+    def _to_device(self) -> None:
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            if self.ready is not None:
+                self.stream.wait_event(self.ready)
+            self.device_block.copy_(self.dest.tensor, non_blocking=True)
+        self.stream.synchronize()
+
+
+class PrefetchJob:
+    """Ask the kernel to start reading a request's block files now, all at once.
+
+    The loads then run one after another on one thread, but their data is
+    already on its way: the disk sees many reads in flight, not one at a time.
+    """
+
+    kind = "prefetch"
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+
+    def run(self) -> None:
+        for path in self.paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # the load reports it
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+class DeleteJob:
+    """Delete block files (a missing one is fine)."""
+
+    kind = "delete"
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self.num_deleted = 0
+
+    def run(self) -> None:
+        for path in self.paths:
+            try:
+                os.unlink(path)
+                self.num_deleted += 1
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass  # reported by its absence from num_deleted
+
+
+class BarrierJob:
+    """Completes ``future`` once every job queued before it (in its queue) has run."""
+
+    kind = "barrier"
+
+    def __init__(self) -> None:
+        self.future: Future = Future()
+
+    def run(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)

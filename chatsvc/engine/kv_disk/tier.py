@@ -1,0 +1,409 @@
+"""DiskTier: the engine's disk tier, between the cache's bookkeeping and the files.
+
+Everything here runs on the engine thread, between or inside steps, and
+never waits for the disk: writes and loads are jobs for the I/O thread
+(``worker``), whose results are applied at the start of the next step.
+
+    step N   scheduler admits a prompt whose match continues on disk: its blocks
+             are allocated, the sequence waits in LOADING (``cache.allocate`` ->
+             loads); after the step's plans ran, the loads are queued
+             (``submit_loads``: a plan may have held those blocks' old data)
+    I/O      each block read straight into its pool block (CPU) or through a
+             pinned buffer (CUDA), verified (checksum, fingerprint, hash, parent,
+             tokens, namespace)
+    step N+k ``before_step``: the verified prefix of the loads counts as computed;
+             the sequence runs and prefills only the rest
+
+Writes: write-through stores every newly indexed block once, right after the
+step that computed it; in both modes a block dropped from the memory tiers
+that is not on disk yet is stored by the plan that drops it (before the block
+is reused). A store copies the block into one of a fixed set of snapshot
+buffers; with none free it is dropped (``queue_full``), never waited for.
+
+Write errors (disk full, I/O errors) stop writes for ``retry_s`` with one
+warning; serving goes on, and the first write after the pause that succeeds
+resumes them (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from cache import KVCacheManager
+from cache.disk_tier import DiskIndex
+from cache.namespace import PUBLIC_KEY
+from cache.plan import BlockStore
+from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock, block_bytes
+from chatsvc.engine.kv_disk.directory import TierDirectory
+from chatsvc.engine.kv_disk.fileformat import CORRUPT, FOREIGN, OK, BlockMeta, header_len
+from chatsvc.engine.kv_disk.jobs import (
+    MISSING,
+    BarrierJob,
+    DeleteJob,
+    LoadJob,
+    PrefetchJob,
+    WriteJob,
+)
+from chatsvc.engine.kv_disk.stats import DiskStats
+from chatsvc.engine.kv_disk.worker import IOWorker
+
+log = logging.getLogger(__name__)
+BUDGET_RECHECK_S = 30.0
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class DiskSettings:
+    """How the tier behaves (from EngineConfig's kv_disk_* fields)."""
+
+    budget_bytes: int | None = None  # None: the automatic budget, re-checked as it runs
+    write_through: bool = True
+    fsync: bool = False
+    queue_blocks: int = 64  # snapshot buffers: stores in flight at most
+    retry_s: float = 10.0  # pause of writes after a write error
+
+
+class _Loading:
+    """The loads of one sequence: which finished, and how."""
+
+    __slots__ = ("seq", "results", "remaining")
+
+    def __init__(self, seq, num_loads: int) -> None:
+        self.seq = seq
+        self.results: list[str | None] = [None] * num_loads
+        self.remaining = num_loads
+
+    def num_usable(self) -> int:
+        count = 0
+        for result in self.results:
+            if result != OK:
+                break
+            count += 1
+        return count
+
+
+class DiskTier:
+    """One engine's disk tier (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        directory: TierDirectory,
+        fingerprint: bytes,
+        block_size: int,
+        block_nbytes: int,
+        kv_pool: torch.Tensor,
+        host_pool: torch.Tensor | None,
+        settings: DiskSettings,
+        clock=time.time,
+    ) -> None:
+        self.cache = cache
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.block_nbytes = block_nbytes
+        self.file_nbytes = header_len(block_size) + block_nbytes
+        self.kv_pool = kv_pool
+        self.host_pool = host_pool
+        self.settings = settings
+        self.clock = clock
+        self.cuda = kv_pool.device.type == "cuda"
+        self.stats = DiskStats()
+        self.worker = IOWorker()
+        self.buffers = BufferPool(settings.queue_blocks, block_nbytes, pin=self.cuda)
+        self._staging = BufferPool(1, block_nbytes, pin=True).take() if self.cuda else None
+        self._copy_stream = torch.cuda.Stream(kv_pool.device) if self.cuda else None
+        self._loading: dict[object, _Loading] = {}
+        self._unsubmitted: list = []
+        self._paused_until: float | None = None
+        self._next_budget_check = 0.0
+        self.index = DiskIndex(self.file_nbytes, settings.budget_bytes or 0)
+        self.num_found = self._rebuild()
+        cache.attach_disk(self.index, clock, settings.write_through)
+
+    def use_clock(self, clock) -> None:
+        """Take recency and pauses from ``clock`` (tests and benchmarks step time)."""
+        self.clock = clock
+        self.cache._clock = clock  # noqa: SLF001 - the manager's disk recency, same source
+
+    # -- start-up -----------------------------------------------------------------
+
+    def _rebuild(self) -> int:
+        found = self.directory.scan()
+        index = self.index
+        index.budget_bytes = self._budget(len(found) * self.file_nbytes)
+        for block in found:
+            meta = block.meta
+            index.add(meta.hash, meta.parent_hash, meta.owner, meta.shared, block.mtime)
+        self._delete(index.set_budget(index.budget_bytes))
+        return len(index)
+
+    def _budget(self, used_bytes: int) -> int:
+        if self.settings.budget_bytes is not None:
+            return self.settings.budget_bytes
+        self._next_budget_check = self.clock() + BUDGET_RECHECK_S
+        return self.directory.auto_budget(used_bytes)
+
+    # -- the step loop ------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        """Loads in flight or not yet started: the engine must keep stepping."""
+        return bool(self._loading)
+
+    def before_step(self, scheduler) -> None:
+        """Apply finished jobs: writes join the index, finished loads release sequences."""
+        for job in self.worker.take_done():
+            if job.kind == "write":
+                self._write_done(job)
+            elif job.kind == "load":
+                self._load_done(job, scheduler)
+        if self.settings.budget_bytes is None and self.clock() >= self._next_budget_check:
+            budget = self._budget(self.index.used_bytes)
+            self._delete(self.index.set_budget(budget))
+
+    def submit_loads(self, out) -> None:
+        """Queue the step's disk loads; called once the step's plans have run."""
+        ready = None
+        if self.cuda and out.loads:
+            ready = torch.cuda.Event()
+            ready.record()
+        for seq, loads in out.loads:
+            state = _Loading(seq, len(loads))
+            self._loading[seq.seq_id] = state
+            jobs = []
+            for i, load in enumerate(loads):
+                entry = self.index.entries.get(load.hash)
+                if entry is None:
+                    # Evicted from the budget since it was matched, in this very step.
+                    state.results[i] = MISSING
+                    state.remaining -= 1
+                    continue
+                meta = BlockMeta(entry.hash, entry.parent_hash, entry.owner, entry.shared)
+                path = self.directory.block_path(meta)
+                if self.cuda:
+                    job = LoadJob(
+                        seq.seq_id,
+                        i,
+                        load,
+                        path,
+                        self._staging,
+                        self.fingerprint,
+                        self.block_nbytes,
+                        device_block=block_bytes(self.kv_pool, load.device_block),
+                        ready=ready,
+                        stream=self._copy_stream,
+                    )
+                else:
+                    dest = PoolBlock(self.kv_pool, load.device_block)
+                    job = LoadJob(
+                        seq.seq_id, i, load, path, dest, self.fingerprint, self.block_nbytes
+                    )
+                jobs.append(job)
+            if len(jobs) > 1:
+                self.worker.submit_urgent(PrefetchJob([job.path for job in jobs]))
+            for job in jobs:
+                self.worker.submit_urgent(job)
+            if state.remaining == 0:
+                self._unsubmitted.append(state)
+        out.loads.clear()
+
+    def after_step(self, out, scheduler) -> None:
+        """Store the blocks this step indexed (write-through); wait a little when idle."""
+        for state in self._unsubmitted:
+            self._finish_loading(state, scheduler)
+        self._unsubmitted.clear()
+        self.store_blocks(self.cache.take_stores())
+        if not out.scheduled and self._loading:
+            # Nothing to compute until a load lands: sleep on it, not spin.
+            self.worker.wait(IDLE_WAIT_S)
+
+    def store_blocks(self, stores: list[BlockStore] | tuple[BlockStore, ...]) -> None:
+        """Snapshot blocks and queue their writes; drops what cannot be stored now."""
+        index = self.index
+        if self.cuda and any(store.location == "host" for store in stores):
+            # Pinned host blocks may still be landing from an earlier swap-out on the
+            # swap stream (the compute stream waits for it): read them once it is done.
+            torch.cuda.current_stream(self.kv_pool.device).synchronize()
+        for store in stores:
+            if self._paused_until is not None and self.clock() < self._paused_until:
+                self.stats.dropped["write_error"] += 1
+                continue
+            reservation = index.reserve(store.hash, store.parent_hash, store.owner, store.shared)
+            self._delete(reservation.evicted)
+            if not reservation.granted:
+                continue  # already stored or queued, or refused by the budget (counted)
+            buffer = self.buffers.take()
+            if buffer is None:
+                index.finish_write(store.hash, self.clock(), ok=False)
+                self.stats.dropped["queue_full"] += 1
+                continue
+            pool = self.kv_pool if store.location == "device" else self.host_pool
+            source = block_bytes(pool, store.block_id)
+            ready = None
+            if source.is_cuda:
+                buffer.tensor.copy_(source, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                # A plain memcpy: a torch copy this size wakes its OpenMP team, whose
+                # spinning workers then starve the I/O thread on a small machine.
+                buffer.view[:] = memoryview(source.numpy())
+            meta = BlockMeta(store.hash, store.parent_hash, store.owner, store.shared)
+            job = WriteJob(
+                self.directory.block_path(meta),
+                meta,
+                store.token_ids,
+                self.fingerprint,
+                buffer,
+                ready,
+                self.settings.fsync,
+            )
+            self.worker.submit(job)
+
+    # -- results ------------------------------------------------------------------
+
+    def _write_done(self, job: WriteJob) -> None:
+        ok = job.error is None
+        self.index.finish_write(job.meta.hash, self.clock(), ok)
+        if ok:
+            self.stats.stored_blocks += 1
+            self.stats.stored_bytes += job.nbytes
+            if self._paused_until is not None:
+                self._paused_until = None
+                log.info("KV disk tier: writes resumed in %s", self.directory.path)
+            return
+        self.stats.write_errors += 1
+        self.stats.dropped["write_error"] += 1
+        if self._paused_until is None:
+            log.warning(
+                "KV disk tier: writing to %s failed (%s); writes stop for %.0f s and resume "
+                "when one succeeds; serving continues",
+                self.directory.path,
+                job.error,
+                self.settings.retry_s,
+            )
+        self._paused_until = self.clock() + self.settings.retry_s
+
+    def _load_done(self, job: LoadJob, scheduler) -> None:
+        state = self._loading.get(job.seq_id)
+        if state is None:
+            return
+        state.results[job.index] = job.result
+        state.remaining -= 1
+        stats = self.stats
+        if job.result == OK:
+            stats.loaded_blocks += 1
+            stats.loaded_bytes += self.file_nbytes
+            stats.observe_load(job.latency_s)
+        else:
+            stats.load_misses += 1
+            if job.result in (CORRUPT, FOREIGN):
+                stats.dropped[job.result] += 1
+                log.warning(
+                    "KV disk tier: block %s failed its check (%s); deleted, recomputed",
+                    job.load.hash.hex()[:16],
+                    job.result,
+                )
+            if job.result in (CORRUPT, FOREIGN, MISSING):
+                self.index.remove(job.load.hash)
+        if state.remaining == 0:
+            self._finish_loading(state, scheduler)
+
+    def _finish_loading(self, state: _Loading, scheduler) -> None:
+        self._loading.pop(state.seq.seq_id, None)
+        scheduler.finish_loading(state.seq, state.num_usable())
+
+    # -- deletion, shutdown, statistics --------------------------------------------
+
+    def forget(self, token_ids, namespace, owner: bytes, keep_tokens: int = 0):
+        """Remove a conversation's blocks (``cache.forget``) and delete their files.
+
+        Returns the counts and a future that completes once the files are gone.
+        """
+        result = self.cache.forget(token_ids, namespace, owner, keep_tokens)
+        self.stats.deleted_blocks += len(result.disk_blocks)
+        done = self._delete(result.disk_blocks, barrier=True)
+        counts = {
+            "device": result.device_blocks,
+            "host": result.host_blocks,
+            "disk": len(result.disk_blocks),
+            "kept": result.kept_blocks,
+        }
+        return counts, done
+
+    def _delete(self, entries, barrier: bool = False) -> Future | None:
+        if entries:
+            paths = [
+                self.directory.block_path(BlockMeta(e.hash, e.parent_hash, e.owner, e.shared))
+                for e in entries
+            ]
+            self.worker.submit(DeleteJob(paths))
+        if not barrier:
+            return None
+        job = BarrierJob()
+        self.worker.submit(job)
+        return job.future
+
+    def close(self) -> None:
+        """Store what only the memory tiers hold, finish queued jobs, release the directory."""
+        try:
+            self._flush()
+        finally:
+            self.worker.close()
+            self.directory.close()
+
+    def _flush(self) -> None:
+        # Write-back keeps blocks in memory until they are dropped; at a clean
+        # shutdown they go to disk so the next start is warm. Write-through has
+        # only the stores it had to drop left to do.
+        index = self.cache.tiers.index
+        for node in list(index.walk()):
+            if self._paused_until is not None:
+                return
+            if self.index.is_stored_or_writing(node.hash):
+                continue
+            while self.buffers.num_free == 0:
+                self.worker.wait(0.05)
+                for job in self.worker.take_done():
+                    if job.kind == "write":
+                        self._write_done(job)
+            self.store_blocks(
+                [
+                    BlockStore(
+                        node.location,
+                        node.block_id,
+                        node.hash,
+                        node.parent.hash,
+                        node.token_ids,
+                        node.ns_key == PUBLIC_KEY,
+                        node.owner,
+                    )
+                ]
+            )
+
+    def stats_snapshot(self) -> dict:
+        index = self.index
+        snapshot = self.stats.snapshot()
+        snapshot["dropped_blocks"]["budget"] = index.num_evicted + index.num_refused
+        snapshot.update(
+            {
+                "dir": str(self.directory.path),
+                "write_mode": "through" if self.settings.write_through else "back",
+                "blocks": len(index),
+                # In blocks, like the memory tiers' "total" and "free".
+                "total": index.budget_bytes // self.file_nbytes,
+                "free": max(0, index.budget_bytes - index.used_bytes) // self.file_nbytes,
+                "used_bytes": index.used_bytes,
+                "budget_bytes": index.budget_bytes,
+                "writes_paused": self._paused_until is not None,
+                "queued_jobs": self.worker.num_queued,
+                "loading_sequences": len(self._loading),
+            }
+        )
+        return snapshot

@@ -1,0 +1,59 @@
+"""The disk-tier benchmarks run end to end on tiny configs and print their figures.
+
+No timing assertions: only that every run finished and the figures hang together.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--max-tokens", "4", "--question-words", "8", "--system-repeat", "1", "--threads", "1"]
+
+
+def run_bench(module: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_load_bandwidth_reads_back_every_block_exactly(tmp_path):
+    out = run_bench("bench.kv_disk.load_bandwidth", "--blocks", "16", "--dir", str(tmp_path))
+    assert "(16/16 verified, data exact)" in out
+    assert re.search(r"tier load / sequential read: \d+%", out)
+
+
+@pytest.mark.slow
+def test_warm_restart_turn_comes_from_disk(tmp_path):
+    out = run_bench(
+        "bench.kv_disk.warm_restart",
+        *TINY,
+        "--sessions", "2", "--turns", "1", "--min-history", "1", "--kv-dir", str(tmp_path),
+    )  # fmt: skip
+    for run in ("(a) no restart", "(b) restart, disk tier off", "(c) restart, disk tier on"):
+        assert run in out
+    disk = re.search(r"'disk': (\d+)", out)
+    assert disk and int(disk.group(1)) > 0  # the restarted engine hit its files
+
+
+@pytest.mark.slow
+def test_working_set_reports_each_run(tmp_path):
+    out = run_bench(
+        "bench.kv_disk.working_set",
+        *TINY,
+        "--sessions", "3", "--turns", "2", "--think-time", "0.1", "--kv-dir", str(tmp_path),
+    )  # fmt: skip
+    for run in ("disk on:", "disk off:", "all memory:"):
+        assert run in out
+    assert re.search(r"hit rate [\d.]+% of ideal", out)

@@ -1,0 +1,180 @@
+"""The disk tier's files without a model: format and checks, directory modes and lock, digests."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cache.hashing import ROOT_HASH, BlockHasher
+from cache.plan import DiskLoad
+from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock
+from chatsvc.engine.kv_disk.directory import TierDirectory, TierUnavailable
+from chatsvc.engine.kv_disk.fileformat import (
+    CORRUPT,
+    FOREIGN,
+    MISMATCH,
+    OK,
+    BlockMeta,
+    file_name,
+    header_len,
+    parse_name,
+)
+from chatsvc.engine.kv_disk.fingerprint import weights_digest
+from chatsvc.engine.kv_disk.jobs import MISSING, LoadJob, WriteJob
+from tests.engine.kv_fs import read_only_dir
+
+BS = 16
+FP = b"F" * 16
+NS_KEY = b"\x01tenant-salt"
+TOKENS = tuple(range(1000, 1000 + BS))
+HASH = BlockHasher(BS).hash_block(ROOT_HASH, TOKENS, NS_KEY)
+META = BlockMeta(HASH, ROOT_HASH, b"ownerdig", False)
+POOL_SHAPE = (4, 2, 2, BS, 3, 64)  # [blocks, layers, K/V, tokens, heads, dim]
+
+
+def _pool(seed: int = 0) -> torch.Tensor:
+    return torch.randn(POOL_SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def _write(directory: TierDirectory, pool: torch.Tensor, block: int = 1) -> Path:
+    buffers = BufferPool(1, pool[0].numel() * pool.element_size())
+    buffer = buffers.take()
+    buffer.tensor.copy_(pool[block].view(torch.uint8).reshape(-1))
+    path = directory.block_path(META)
+    job = WriteJob(path, META, TOKENS, FP, buffer)
+    job.run()
+    assert job.error is None and buffers.num_free == 1
+    return path
+
+
+def _load(path: Path, pool: torch.Tensor, tokens=TOKENS, ns_key=NS_KEY, fingerprint=FP) -> str:
+    block = 2
+    load = DiskLoad(0, block, HASH, ROOT_HASH, tokens, ns_key)
+    nbytes = pool[0].numel() * pool.element_size()
+    job = LoadJob("seq", 0, load, path, PoolBlock(pool, block), fingerprint, nbytes)
+    job.run()
+    return job.result
+
+
+@pytest.fixture
+def directory(tmp_path):
+    tier = TierDirectory(tmp_path / "kv", FP).open()
+    yield tier
+    tier.close()
+
+
+def test_a_written_block_loads_back_bit_for_bit_into_another_pool_block(directory):
+    pool = _pool()
+    path = _write(directory, pool)
+    assert path.stat().st_size == header_len(BS) + pool[0].numel() * 4
+    assert parse_name(path.name) == META
+    target = torch.zeros(POOL_SHAPE)
+    assert _load(path, target) == OK
+    assert torch.equal(target[2], pool[1])
+    assert not any(p.name.startswith(".tmp-") for p in path.parent.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["flip_data", "flip_header", "truncate", "extend", "empty"])
+def test_a_damaged_file_is_corrupt_and_deleted(directory, damage):
+    pool = _pool()
+    path = _write(directory, pool)
+    data = bytearray(path.read_bytes())
+    if damage == "flip_data":
+        data[-5] ^= 0x10
+    elif damage == "flip_header":
+        data[40] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) - 1000]
+    elif damage == "extend":
+        data += b"\0" * 16
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert _load(path, torch.zeros(POOL_SHAPE)) == CORRUPT
+    assert not path.exists()
+
+
+def test_another_fingerprint_is_foreign_and_deleted(directory):
+    path = _write(directory, _pool())
+    assert _load(path, torch.zeros(POOL_SHAPE), fingerprint=b"G" * 16) == FOREIGN
+    assert not path.exists()
+
+
+def test_other_tokens_or_another_namespace_never_load_but_keep_the_file(directory):
+    path = _write(directory, _pool())
+    other_tokens = (7,) * BS
+    assert _load(path, torch.zeros(POOL_SHAPE), tokens=other_tokens) == MISMATCH
+    assert _load(path, torch.zeros(POOL_SHAPE), ns_key=b"\x01another-tenant") == MISMATCH
+    assert path.exists()
+    path.unlink()
+    assert _load(path, torch.zeros(POOL_SHAPE)) == MISSING
+
+
+def test_names_round_trip_and_reject_strangers():
+    assert parse_name(file_name(META)) == META
+    shared = BlockMeta(HASH, ROOT_HASH, b"", True)
+    assert parse_name(file_name(shared)) == shared
+    for name in ("lock", "x.kv", f"{HASH.hex()}-zz-00-s.kv", f"{HASH.hex()}-{HASH.hex()}--q.kv"):
+        assert parse_name(name) is None
+
+
+def test_directories_are_0700_and_files_0600_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        root = tmp_path / "kv"
+        root.mkdir(mode=0o777)
+        root.chmod(0o777)
+        tier = TierDirectory(root, FP).open()
+        path = _write(tier, _pool())
+    finally:
+        os.umask(old)
+    for directory in (root, tier.path, path.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    for file in (path, tier.path / "lock"):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+    tier.close()
+
+
+def test_scan_finds_blocks_by_name_and_removes_crashed_writes(directory):
+    path = _write(directory, _pool())
+    leftover = path.parent / f".tmp-{path.name}.123.0"
+    leftover.write_bytes(b"half a block")
+    misplaced = directory.path / "00" / path.name
+    misplaced.parent.mkdir(mode=0o700, exist_ok=True)
+    misplaced.write_bytes(path.read_bytes())
+    os.chmod(path, 0o644)  # restored from a backup with looser modes
+    found = directory.scan()
+    assert [block.meta for block in found] == [META]
+    assert not leftover.exists() and not misplaced.exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_second_process_on_the_directory_is_refused(directory):
+    with pytest.raises(TierUnavailable, match="in use by another process"):
+        TierDirectory(directory.root, FP).open()
+
+
+def test_an_unwritable_directory_is_unavailable(tmp_path):
+    with read_only_dir(tmp_path / "ro") as ro, pytest.raises(TierUnavailable, match="not writable"):
+        TierDirectory(ro / "kv", FP).open()
+
+
+def test_weights_digest_follows_the_files_and_remembers_them(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"w" * 1000)
+    loaded = SimpleNamespace(path=model, name="m")
+    memo = tmp_path / "memo.json"
+    first = weights_digest(loaded, 0, memo)
+    assert memo.exists() and weights_digest(loaded, 0, memo) == first
+    weights.write_bytes(b"w" * 999 + b"x")
+    assert weights_digest(loaded, 0, memo) != first
+    random = SimpleNamespace(path=None, name="random:tiny")
+    assert weights_digest(random, 0, None) != weights_digest(random, 1, None)
