@@ -18,8 +18,9 @@ from typing import Any
 
 import anyio
 
+from chatsvc.affinity import AffinityTracker
 from chatsvc.config import LOCAL_TENANT, Settings
-from chatsvc.metrics import Metrics, UsageStats
+from chatsvc.metrics import Metrics, UsageStats, replica_label
 from chatsvc.store import Store
 from chatsvc.store.records import TenantRecord
 
@@ -59,6 +60,7 @@ class Services:
     engine: Any  # chatsvc.engine.AsyncEngine (kept untyped: importing it loads torch)
     metrics: Metrics = field(default_factory=Metrics)
     usage: UsageStats = field(default_factory=UsageStats)
+    affinity: AffinityTracker = field(default_factory=AffinityTracker)
     local_tenant: TenantRecord | None = None
     streams: StreamLimiter | None = None
     engine_started: bool = False
@@ -68,6 +70,8 @@ class Services:
     def __post_init__(self) -> None:
         if self.streams is None:
             self.streams = StreamLimiter(self.settings.limits.max_streams_per_tenant)
+        if self.metrics.replica is None:
+            self.metrics.replica = replica_label(self.settings)
 
 
 async def bootstrap_tenants(store: Store, settings: Settings) -> TenantRecord | None:
