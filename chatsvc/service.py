@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from redis.exceptions import WatchError
 
 from chatsvc.affinity import AffinityTracker
 from chatsvc.config import LOCAL_TENANT, Settings
@@ -81,8 +82,13 @@ async def bootstrap_tenants(store: Store, settings: Settings) -> TenantRecord | 
     """
     for name, key in settings.api_keys:
         if await store.tenant_by_api_key(key) is None:
-            await store.create_tenant(name, key)
-            log.info("created tenant %s", name)
+            try:
+                await store.create_tenant(name, key)
+                log.info("created tenant %s", name)
+            except (ValueError, WatchError):
+                # Another replica starting at the same moment registered it first.
+                if await store.tenant_by_api_key(key) is None:
+                    raise
     if settings.auth_enabled:
         return None
     key = _local_key(settings)
