@@ -123,3 +123,26 @@ def test_the_replica_id_comes_from_the_settings_or_the_host_and_port():
     for bad in ("", "has space", 'quote"', "x" * 65):
         with pytest.raises(SettingsError, match="replica id"):
             Settings(replica_id=bad).validate()
+
+
+def test_the_fleet_row_sums_counts_and_recomputes_rates():
+    from chatsvc.fleet_view import row, table, total
+
+    def report(prompt, cached, turns, misses):
+        return {
+            "requests": {
+                "overall": {"requests": 1, "prompt_tokens": prompt, "cached_tokens": cached}
+            },
+            "affinity": {
+                "history_turns": turns,
+                "affinity_misses": misses,
+                "recomputed_tokens": {"affinity_miss": 16 * misses, "evicted": 0},
+            },
+        }
+
+    rows = [row("a", report(100, 90, 10, 0)), row("b", report(300, 150, 10, 5))]
+    fleet = total(rows)
+    assert fleet["prompt_tokens"] == 400 and fleet["cached_tokens"] == 240
+    assert fleet["hit_rate"] == 0.6  # 240 / 400, not the mean of 90 % and 50 %
+    assert fleet["miss_rate"] == 0.25 and fleet["recomputed_tokens"] == 80
+    assert "fleet" in table([*rows, fleet]).splitlines()[-1]

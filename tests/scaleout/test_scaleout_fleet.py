@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 
@@ -23,6 +24,7 @@ import redis
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.scaleout.fleet import ADMIN_KEY
 from chatsvc.chat_client import iter_sse
 from tests.scaleout.conftest import (
     ACME_KEY,
@@ -208,6 +210,24 @@ def test_a_moved_session_is_rebuilt_and_counted_as_an_affinity_miss(fleet):
     assert back["usage"]["cached_tokens"] < settled["usage"]["prompt_tokens"]
     assert _affinity(fleet, 0)["affinity_misses"] >= 1
     assert fleet.admin(1).json()["replica"] == "r2"
+
+
+def test_the_fleet_view_sums_every_replica(fleet, capsys):
+    from chatsvc.fleet_view import main
+
+    urls = [r.url for r in fleet.replicas]
+    assert main(["--json", "--admin-key", ADMIN_KEY, *urls]) == 0
+    view = json.loads(capsys.readouterr().out)
+    per = {r["replica"]: r for r in view["replicas"]}
+    assert set(per) == {"r1", "r2"}
+    for i, name in enumerate(("r1", "r2")):
+        report = fleet.admin(i).json()
+        assert per[name]["affinity_misses"] == report["affinity"]["affinity_misses"]
+    fleet_row = view["fleet"]
+    for key in ("prompt_tokens", "cached_tokens", "history_turns", "affinity_misses"):
+        assert fleet_row[key] == per["r1"][key] + per["r2"][key]
+    assert fleet_row["affinity_misses"] >= 2  # the moved session's two moves
+    assert fleet_row["hit_rate"] == fleet_row["cached_tokens"] / fleet_row["prompt_tokens"]
 
 
 def test_a_killed_replica_loses_no_acknowledged_turn(fleet, spread, redis_server):
