@@ -13,8 +13,10 @@ Definitions (B = the KV block size; per replica, per stored turn):
   stored turn, whose prompt extends the stored token ids (the chat template
   kept the history as a prefix; re-rendered turns are counted as lost reuse
   elsewhere);
-- its **reusable history** is the stored tokens in full blocks, never the last
-  prompt token: ``min(len(stored), len(prompt) - 1) // B * B``;
+- its **reusable history** is the stored tokens in full blocks, short of the
+  last stored token (the previous answer's last token was sampled, never fed
+  back, so no replica holds its KV) and of the last prompt token:
+  ``min(len(stored) - 1, len(prompt) - 1) // B * B``;
 - it **recomputed history** when the prefix cache served at least one full
   block less than that: ``reusable - cached >= B``;
 - it is an **affinity miss** when it recomputed history and this replica had
@@ -89,7 +91,7 @@ class AffinityTracker:
     def _classify(self, turn: HistoryTurn, block_size: int) -> Verdict | None:
         if not (turn.prior_turns and turn.extends_history) or turn.prompt_tokens < 1:
             return None
-        reusable = min(turn.stored_tokens, turn.prompt_tokens - 1) // block_size * block_size
+        reusable = min(turn.stored_tokens - 1, turn.prompt_tokens - 1) // block_size * block_size
         recomputed = max(0, reusable - turn.cached_tokens)
         if recomputed < block_size:
             return Verdict(RESIDENT, 0)

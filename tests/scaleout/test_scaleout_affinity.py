@@ -71,6 +71,10 @@ def test_partial_blocks_and_re_rendered_turns_are_not_misses():
     assert tracker.observe(_turn("b", 200, 0, extends=False), B) is None
     # Never the last prompt token: with no new tokens the reusable part stops short.
     assert tracker.observe(_turn("c", 32, 16, new=0), B).kind == RESIDENT
+    # Nor the last stored token (sampled, never computed): 96 stored tokens fill
+    # six blocks, but the sixth can never be cached.
+    tracker.observe(_turn("d", 60, 0, prior=False, new=20, answer=16), B)  # 96 after
+    assert tracker.observe(_turn("d", 96, 80), B).kind == RESIDENT
 
 
 def test_the_session_memory_is_bounded_and_forgets_the_oldest():
