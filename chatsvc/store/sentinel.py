@@ -14,11 +14,13 @@ Asynchronous replication alone can lose a write the primary had already
 answered: the primary dies before the replica received it and the replica is
 promoted without it. So every MULTI/EXEC (a stored turn, a new session) is
 followed by ``WAIT wait_replicas wait_timeout_ms`` on the same connection and
-counts as done only once that many replicas hold it. When fewer confirm in
-time, the store raises ``UnconfirmedWriteError`` (a ``StoreUnavailableError``,
-so the API answers 503): the write may exist on the primary, but it was never
-acknowledged. ``wait_replicas=0`` turns the wait off (faster, and writes go on
-while every replica is down, at the price of the loss window above).
+counts as done only once that many replicas hold it; a transaction that only
+reads skips the wait (a read must not fail because a replica is down). When
+fewer confirm in time, the store raises ``UnconfirmedWriteError`` (a
+``StoreUnavailableError``, so the API answers 503): the write may exist on the
+primary, but it was never acknowledged. ``wait_replicas=0`` turns the wait off
+(faster, and writes go on while every replica is down, at the price of the
+loss window above).
 """
 
 from __future__ import annotations
@@ -178,8 +180,31 @@ async def confirm_replicated(connection: Any, replicas: int, timeout_ms: int) ->
         )
 
 
+# Commands that change nothing: a transaction of these alone (a consistent
+# read of a session and its messages) has nothing to wait for. Anything not
+# listed counts as a write.
+READ_ONLY_COMMANDS = frozenset(
+    {
+        "GET", "MGET", "EXISTS", "TTL", "PTTL", "TYPE", "STRLEN",
+        "LRANGE", "LLEN", "LINDEX",
+        "SMEMBERS", "SISMEMBER", "SCARD", "SUNION", "SINTER",
+        "ZRANGE", "ZRANGEBYSCORE", "ZREVRANGE", "ZREVRANGEBYSCORE", "ZSCORE", "ZCARD", "ZCOUNT",
+        "HGET", "HMGET", "HGETALL", "HEXISTS", "HLEN",
+    }
+)  # fmt: skip
+
+
+def writes_anything(commands) -> bool:
+    """True if a pipeline's command stack holds a command that is not a known read."""
+    for args, _options in commands:
+        name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+        if name.upper() not in READ_ONLY_COMMANDS:
+            return True
+    return False
+
+
 class ReplicatedPipeline(Pipeline):
-    """A pipeline whose transactions return only once enough replicas hold them."""
+    """A pipeline whose transactions with a write return only once enough replicas hold them."""
 
     wait_replicas = 0
     wait_timeout_ms = DEFAULT_WAIT_TIMEOUT_MS
@@ -188,7 +213,7 @@ class ReplicatedPipeline(Pipeline):
         # redis-py's hook for one MULTI/EXEC round trip on a held connection; a
         # WatchError or a command error leaves before the wait, as nothing was applied.
         response = await super()._execute_transaction(connection, commands, raise_on_error)
-        if self.wait_replicas:
+        if self.wait_replicas and writes_anything(commands):
             await confirm_replicated(connection, self.wait_replicas, self.wait_timeout_ms)
         return response
 

@@ -142,6 +142,9 @@ def test_a_write_no_replica_confirms_is_not_acknowledged(topology):
                 await store.append_turn(tenant.id, session.id, *_turn("unconfirmed"))
             # It is a StoreUnavailableError: the API answers 503, the client retries.
             assert issubclass(UnconfirmedWriteError, StoreUnavailableError)
+            # Reads (a MULTI of GET and LRANGE included) have nothing to wait for.
+            assert [m.text for m in await store.get_messages(tenant.id, session.id)][-1] == "ok"
+            assert await store.get_session(tenant.id, session.id) is not None
             # wait_replicas=0 trades that guarantee for writes that go on regardless.
             await unwaiting.append_turn(tenant.id, session.id, *_turn("unwaited"))
         finally:
