@@ -11,7 +11,8 @@ MULTI/EXEC confirmed by WAIT 1, AOF fsync always on every node). Reported per
 setup: turns/s and the store latency per turn seen by this one client (a
 Python client; the server is far from saturated), the primary's CPU seconds
 per turn (INFO cpu, the figure that sizes a primary), its commands per turn,
-and its memory per session and per token of history.
+and the memory its sessions' keys take (MEMORY USAGE) per session and per token
+of history.
 """
 
 from __future__ import annotations
@@ -116,6 +117,13 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
         wall = time.perf_counter() - started
         cpu1, cmds1, mem1 = _server_stats(primary)
         tokens = args.sessions * args.system_tokens + len(latencies) * args.turn_tokens
+        # The sessions' own keys (MEMORY USAGE), apart from replication buffers
+        # and the allocator's slack that used_memory also counts.
+        session_bytes = sum(
+            primary.memory_usage(key) or 0
+            for s in sessions
+            for key in store.keys.session_keys(s.id)
+        )
         return {
             "turns": len(latencies),
             "turns_per_s": len(latencies) / wall,
@@ -123,8 +131,9 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
             "latency_p99_ms": 1e3 * percentile(latencies, 99),
             "primary_cpu_ms_per_turn": 1e3 * (cpu1 - cpu0) / len(latencies),
             "commands_per_turn": (cmds1 - cmds0) / len(latencies),
-            "bytes_per_session": (mem1 - mem0) / args.sessions,
-            "bytes_per_token": (mem1 - mem0) / tokens,
+            "bytes_per_session": session_bytes / args.sessions,
+            "bytes_per_token": session_bytes / tokens,
+            "used_memory_growth_per_session": (mem1 - mem0) / args.sessions,
             "lock_conflicts_requeued": busy,
         }
     finally:
