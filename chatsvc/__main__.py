@@ -7,6 +7,12 @@ import asyncio
 import os
 import sys
 
+# Exit status of ``serve`` when the engine thread died: the process cannot serve
+# again by itself, so it ends and lets its supervisor start a fresh one.
+EXIT_ENGINE_DIED = 70  # EX_SOFTWARE
+# uvicorn's own status for a start-up that failed (its lifespan raised).
+EXIT_STARTUP_FAILED = 3
+
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -17,17 +23,35 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env().with_overrides(host=args.host, port=args.port)
     configure_logging(args.log_level, log_text=settings.log_text)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level,
-        # Logging is configured above (request ids on every line); uvicorn keeps out.
-        log_config=None,
-        # Streams end on their own; this only bounds how long shutdown waits.
-        timeout_graceful_shutdown=10,
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level,
+            # Logging is configured above (request ids on every line); uvicorn keeps out.
+            log_config=None,
+            # Streams end on their own; this only bounds how long shutdown waits.
+            timeout_graceful_shutdown=10,
+        )
     )
-    return 0
+    died: list[BaseException] = []
+
+    def engine_died(error: BaseException) -> None:
+        died.append(error)
+        server.should_exit = True  # uvicorn's graceful shutdown, as on SIGTERM
+
+    # Runs after the app's lifespan has started the services.
+    app.on_startup.append(lambda app: app.state.services.engine.add_death_callback(engine_died))
+    server.run()
+    if died:
+        print(
+            "chatsvc: the engine thread died; exiting so a supervisor restarts the service",
+            file=sys.stderr,
+        )
+        return EXIT_ENGINE_DIED
+    return 0 if server.started else EXIT_STARTUP_FAILED
 
 
 def _chat(args: argparse.Namespace) -> int:

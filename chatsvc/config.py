@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from chatsvc import paths
+from chatsvc.store.validate import MAX_NAME_CHARS, MIN_API_KEY_CHARS
 
 ENV_PREFIX = "CHATSVC_"
 LOCAL_TENANT = "local"
@@ -22,6 +23,11 @@ LOCAL_TENANT = "local"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # A replica id is a metrics label value and a log field: short and plain.
 _REPLICA_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+# Names a local-mode server answers to by default (any port): a page that
+# rebinds its own DNS name to 127.0.0.1 still sends its own name as Host.
+LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]")
+# A DNS name or an IPv4 address (no port, no path); IPv6 literals are checked apart.
+_HOST_NAME_RE = re.compile(r"^[a-z0-9_]([a-z0-9_.-]{0,251}[a-z0-9_])?$")
 
 
 class SettingsError(ValueError):
@@ -34,11 +40,17 @@ class Limits:
 
     max_body_bytes: int = 1_000_000
     max_message_chars: int = 32_000
+    # Messages in one rendered conversation (an OpenAI request's list), checked before
+    # any rendering: each one costs template and tokenizer work however short it is.
+    max_messages: int = 1024
     max_tokens_cap: int = 2048
     max_n: int = 8
     max_sessions_per_tenant: int = 10_000
     max_streams_per_tenant: int = 8
-    # Seconds a request body may stall between chunks before 408 (slow-loris guard).
+    # Private system prompts one tenant may keep, and shared ones the operator may publish.
+    max_system_prompts_per_tenant: int = 100
+    max_shared_system_prompts: int = 100
+    # Seconds the whole request body may take to arrive before 408 (slow-loris guard).
     body_read_timeout_s: int = 30
 
     def validate(self) -> None:
@@ -55,6 +67,10 @@ class Settings:
     service is a local single-user tool: it serves one tenant without auth and
     refuses any host that is not a loopback address (anyone who can reach the
     port could otherwise use it).
+
+    ``allowed_hosts`` are the names a request's ``Host`` header may carry (any
+    port). Empty = the default: loopback names in local mode, any name with keys.
+    ``("*",)`` turns the check off, which local mode refuses.
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +85,7 @@ class Settings:
     turn_lock_ttl_s: int = 30
     admin_key: str | None = None
     api_keys: tuple[tuple[str, str], ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     # Opt-in debugging aid: log prompt and completion text (off: lengths only).
     log_text: bool = False
@@ -80,6 +97,20 @@ class Settings:
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys)
+
+    def host_allow_list(self) -> frozenset[str] | None:
+        """The ``Host`` names served (lower case, IPv6 in brackets); None = any name.
+
+        The bind host is always on the list, so a server bound to a name answers to it.
+        """
+        names = tuple(normalize_host_name(name) for name in self.allowed_hosts)
+        if "*" in names:
+            return None
+        if not names:
+            if self.auth_enabled:
+                return None
+            names = LOOPBACK_HOST_NAMES
+        return frozenset((*names, normalize_host_name(self.host)))
 
     def redis_dir(self) -> Path:
         """Where the embedded server keeps its append-only file when no URL is set."""
@@ -100,8 +131,10 @@ class Settings:
             raise SettingsError(f"session TTL must be positive seconds, got {self.session_ttl_s}")
         if not 1 <= self.turn_lock_ttl_s <= 3600:
             raise SettingsError(f"turn lock TTL must be 1..3600 s, got {self.turn_lock_ttl_s}")
-        if self.admin_key is not None and len(self.admin_key) < 8:
-            raise SettingsError("admin key must be at least 8 characters")
+        if self.admin_key is not None and len(self.admin_key) < MIN_API_KEY_CHARS:
+            raise SettingsError(f"admin key must be at least {MIN_API_KEY_CHARS} characters")
+        for name, key in self.api_keys:
+            check_tenant_entry(name, key)
         names = [name for name, _ in self.api_keys]
         if len(set(names)) != len(names):
             raise SettingsError("each tenant may appear once in CHATSVC_API_KEYS")
@@ -114,6 +147,17 @@ class Settings:
         if self.replica_id is not None and not _REPLICA_RE.match(self.replica_id):
             raise SettingsError(
                 f"replica id must be 1-64 of [A-Za-z0-9_.:-], got {self.replica_id!r}"
+            )
+        for name in self.allowed_hosts:
+            if name != "*" and not is_valid_host_name(normalize_host_name(name)):
+                raise SettingsError(
+                    f"allowed host {name!r} is not a host name or IP address "
+                    "(list names without a port: every port is accepted)"
+                )
+        if not self.auth_enabled and "*" in self.allowed_hosts:
+            raise SettingsError(
+                "CHATSVC_ALLOWED_HOSTS=* needs CHATSVC_API_KEYS: without keys, any web page "
+                "could drive the service through DNS rebinding"
             )
         if not self.auth_enabled and not is_loopback(self.host):
             raise SettingsError(
@@ -153,6 +197,7 @@ class Settings:
             turn_lock_ttl_s=_parse_int(ENV_PREFIX + "TURN_LOCK_TTL_S", get("TURN_LOCK_TTL_S"), 30),
             admin_key=get("ADMIN_KEY"),
             api_keys=parse_api_keys(get("API_KEYS") or ""),
+            allowed_hosts=_parse_list(get("ALLOWED_HOSTS")),
             limits=limits,
             log_text=_parse_bool(ENV_PREFIX + "LOG_TEXT", get("LOG_TEXT")),
             replica_id=get("REPLICA_ID"),
@@ -162,14 +207,51 @@ class Settings:
 def parse_api_keys(spec: str) -> tuple[tuple[str, str], ...]:
     """Parse ``tenant:key,tenant2:key2``; a key may itself contain ':'."""
     pairs = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
+    for number, item in enumerate(filter(None, (part.strip() for part in spec.split(","))), 1):
         tenant, sep, key = item.partition(":")
         if not sep or not tenant.strip() or not key.strip():
-            raise SettingsError(f"CHATSVC_API_KEYS entry {item!r} is not tenant:key")
-        if len(key.strip()) < 8:
-            raise SettingsError(f"API key of tenant {tenant.strip()!r} is under 8 characters")
-        pairs.append((tenant.strip(), key.strip()))
+            # Numbered, not quoted: a malformed entry may be a bare key.
+            raise SettingsError(f"CHATSVC_API_KEYS entry {number} is not tenant:key")
+        pairs.append(check_tenant_entry(tenant.strip(), key.strip()))
     return tuple(pairs)
+
+
+def normalize_host_name(name: str) -> str:
+    """``name`` as it is compared with a Host header: lower case, IP addresses in their
+    canonical form, an IPv6 address in brackets (as it appears in a Host header)."""
+    name = name.strip().lower()
+    inner = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    try:
+        address = ipaddress.ip_address(inner)
+    except ValueError:
+        return name
+    return f"[{address.compressed}]" if address.version == 6 else str(address)
+
+
+def is_valid_host_name(name: str) -> bool:
+    """True for a normalized DNS name, IPv4 address or bracketed IPv6 address."""
+    if name.startswith("[") and name.endswith("]"):
+        try:
+            return ipaddress.ip_address(name[1:-1]).version == 6
+        except ValueError:
+            return False
+    return bool(_HOST_NAME_RE.match(name))
+
+
+def check_tenant_entry(name: str, key: str) -> tuple[str, str]:
+    """One configured tenant, checked by the rules the store and the key check use.
+
+    Names are the tenants' identity in the store, which refuses blank or overlong
+    ones; keys are compared as plain sha256 digests, which is only safe for long
+    keys. Checking both here makes a bad entry a settings error, not a crash later.
+    """
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
+        raise SettingsError(f"tenant name {name!r} must be 1-{MAX_NAME_CHARS} characters")
+    if not isinstance(key, str) or len(key) < MIN_API_KEY_CHARS:
+        raise SettingsError(
+            f"API key of tenant {name!r} must be at least {MIN_API_KEY_CHARS} characters"
+        )
+    return name, key
 
 
 def is_loopback(host: str) -> bool:
@@ -179,6 +261,11 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _parse_list(raw: str | None) -> tuple[str, ...]:
+    """A comma-separated list; blank entries are skipped."""
+    return tuple(filter(None, (item.strip() for item in (raw or "").split(","))))
 
 
 def _parse_bool(name: str, raw: str | None) -> bool:

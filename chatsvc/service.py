@@ -8,22 +8,19 @@ Shutdown runs in reverse, and a failure at any start step undoes the earlier one
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
-from redis.exceptions import WatchError
 
 from chatsvc.affinity import AffinityTracker
 from chatsvc.config import LOCAL_TENANT, Settings
 from chatsvc.metrics import Metrics, UsageStats, replica_label
 from chatsvc.store import Store
-from chatsvc.store.records import TenantRecord
+from chatsvc.tenants import TenantDirectory
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +59,7 @@ class Services:
     metrics: Metrics = field(default_factory=Metrics)
     usage: UsageStats = field(default_factory=UsageStats)
     affinity: AffinityTracker = field(default_factory=AffinityTracker)
-    local_tenant: TenantRecord | None = None
+    tenants: TenantDirectory = field(default_factory=TenantDirectory)
     streams: StreamLimiter | None = None
     engine_started: bool = False
     # Unix time the service came up (the ``created`` of /v1/models).
@@ -75,39 +72,20 @@ class Services:
             self.metrics.replica = replica_label(self.settings)
 
 
-async def bootstrap_tenants(store: Store, settings: Settings) -> TenantRecord | None:
-    """Create the configured tenants that do not exist yet; return the local tenant if no auth.
+async def bootstrap_tenants(store: Store, settings: Settings) -> TenantDirectory:
+    """The tenants this replica admits: each configured key's tenant, found by its name.
 
-    Idempotent across restarts: a tenant is looked up by its key before it is created.
+    A tenant is created the first time its name is configured and kept for ever
+    after, so a rotated key reaches the same tenant. Safe to run on replicas
+    starting together (``Store.ensure_tenant`` is idempotent and race-safe).
+    Without keys, every request acts as the one local tenant, named "local".
     """
+    tenants = []
     for name, key in settings.api_keys:
-        if await store.tenant_by_api_key(key) is None:
-            try:
-                await store.create_tenant(name, key)
-                log.info("created tenant %s", name)
-            except (ValueError, WatchError):
-                # Another replica starting at the same moment registered it first.
-                if await store.tenant_by_api_key(key) is None:
-                    raise
+        tenants.append((key, await store.ensure_tenant(name)))
     if settings.auth_enabled:
-        return None
-    key = _local_key(settings)
-    tenant = await store.tenant_by_api_key(key)
-    return tenant if tenant is not None else await store.create_tenant(LOCAL_TENANT, key)
-
-
-def _local_key(settings: Settings) -> str:
-    # The local tenant needs a stable identity across restarts but must not have a
-    # guessable key: were the service later started with auth on, that key would
-    # still open the local tenant's sessions. So it is random and kept in a 0600 file.
-    path: Path = settings.redis_dir().parent / "local_tenant.key"
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_urlsafe(32)
-    path.touch(mode=0o600)
-    path.write_text(key)
-    return key
+        return TenantDirectory.of_keys(tenants)
+    return TenantDirectory(local=await store.ensure_tenant(LOCAL_TENANT))
 
 
 def build_engine(settings: Settings) -> Any:
@@ -138,24 +116,39 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
             lock_ttl_s=settings.turn_lock_ttl_s,
         )
         stack.push_async_callback(store.close)
-        local = await bootstrap_tenants(store, settings)
+        tenants = await bootstrap_tenants(store, settings)
         engine = build_engine(settings)
-        services = Services(settings=settings, store=store, engine=engine, local_tenant=local)
+        services = Services(settings=settings, store=store, engine=engine, tenants=tenants)
         await engine.start()
         core = engine.engine
         log.info(
-            "engine ready: %s, %s, kernels %s, %d KV blocks of %d tokens",
+            "engine ready: %s, %s, kernels %s%s, %d KV blocks of %d tokens",
             core.model_name,
             core.model.dtype,
             core.kernel_backend,
+            _kernel_library_note(core.kernel_backend),
             core.num_gpu_blocks,
             core.config.block_size,
         )
         services.engine_started = True
         stack.push_async_callback(engine.stop)
-        services.metrics.sample_tiers_with(lambda: tier_usage(engine.cache_stats()))
+        # A dead engine answers no command: /metrics then reports no tier gauges
+        # rather than failing the scrape (/readyz says why).
+        services.metrics.sample_tiers_with(
+            lambda: tier_usage(engine.cache_stats()) if engine.is_running else {}
+        )
         yield services
         services.engine_started = False
+
+
+def _kernel_library_note(backend: str) -> str:
+    # Which compiled library runs inside the service: its hash, for an operator to check.
+    if backend != "native":
+        return ""
+    from kernels import native
+
+    digest = native.library_sha256()
+    return f" (library sha256 {digest})" if digest else ""
 
 
 def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:

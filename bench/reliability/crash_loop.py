@@ -32,6 +32,7 @@ from chatsvc.store.embedded import EmbeddedRedis
 from tests.api.live_server import ProcessServer
 
 API_KEY = "crash-loop-tenant-key-0001"
+TENANT = "crash"
 PREFIX = "crashloop"
 TOPICS = ("the sea", "bread", "winter", "trains", "bees", "maps", "clocks", "rivers")
 
@@ -157,7 +158,7 @@ async def _round(server, convs, rng, args, report) -> None:
 async def _check(redis_url: str, convs: list[Conversation], report: CrashReport) -> None:
     store = await Store.connect(redis_url, prefix=PREFIX)
     try:
-        tenant = await store.tenant_by_api_key(API_KEY)
+        tenant = await store.tenant_by_name(TENANT)
         for conv in convs:
             for log in conv.logs:
                 verdict = await verify(store, tenant.id, log)
@@ -200,7 +201,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> CrashReport:
         env = {
             "CHATSVC_REDIS_URL": redis_server.url,
             "CHATSVC_KEY_PREFIX": PREFIX,
-            "CHATSVC_API_KEYS": f"crash:{API_KEY}",
+            "CHATSVC_API_KEYS": f"{TENANT}:{API_KEY}",
             "CHATSVC_NUM_GPU_BLOCKS": "512",
             "CHATSVC_MAX_MODEL_LEN": "2048",
             "CHATSVC_MAX_TOKENS_CAP": str(max(64, args.max_tokens)),
@@ -218,7 +219,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> CrashReport:
             server.stop()
         store = await Store.connect(redis_server.url, prefix=PREFIX)
         try:
-            tenant = await store.tenant_by_api_key(API_KEY)
+            tenant = await store.tenant_by_name(TENANT)
             for conv in convs:
                 for log in conv.logs:
                     verdict = await verify(store, tenant.id, log)

@@ -35,7 +35,7 @@ from bench.scaleout.valkey import SentinelTopology
 from chatsvc.store import Store
 from tests.redis_server import unique_prefix
 
-KEY = "failover-tenant-key-0001"
+TENANT, KEY = "failover", "failover-tenant-key-0001"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -167,7 +167,7 @@ def _report(state: dict, checks: list) -> dict:
 async def _check(url: str, prefix: str, convs) -> list:
     store = await Store.connect(url, prefix=prefix)
     try:
-        tenant = await store.tenant_by_api_key(KEY)
+        tenant = await store.tenant_by_name(TENANT)
         return [await verify(store, tenant.id, c.log) for c in convs]
     finally:
         await store.close()
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict:
             work_dir / "fleet",
             url,
             prefix=prefix,
-            api_keys={"failover": KEY},
+            api_keys={TENANT: KEY},
             replicas=1,
             nginx=False,
             env=env,

@@ -36,7 +36,7 @@ from chatsvc.store import Store
 from chatsvc.store.embedded import EmbeddedRedis
 from tests.redis_server import unique_prefix
 
-KEY = "death-tenant-key-000001"
+TENANT, KEY = "death", "death-tenant-key-000001"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -193,7 +193,7 @@ def _report(state: dict, args, checks: list) -> dict:
 async def _check(redis_url: str, prefix: str, convs) -> list:
     store = await Store.connect(redis_url, prefix=prefix)
     try:
-        tenant = await store.tenant_by_api_key(KEY)
+        tenant = await store.tenant_by_name(TENANT)
         return [await verify(store, tenant.id, c.log) for c in convs]
     finally:
         await store.close()
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict:
     env = {**common.replica_extra_env(args, 2), "CHATSVC_TURN_LOCK_TTL_S": "5"}
     with EmbeddedRedis(work_dir / "redis") as redis_server:
         with Fleet(
-            work_dir / "fleet", redis_server.url, prefix=prefix, api_keys={"death": KEY}, env=env
+            work_dir / "fleet", redis_server.url, prefix=prefix, api_keys={TENANT: KEY}, env=env
         ) as fleet:
             state = asyncio.run(_scenario(fleet, workload, args))
             survivor = fleet.admin(1).json()["affinity"]

@@ -63,7 +63,7 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
     rng = random.Random(0)
     store = await Store.connect(url, prefix="sizing")
     try:
-        tenant = await store.create_tenant("sizing", "sizing-tenant-key-000001")
+        tenant = await store.ensure_tenant("sizing")
         mem0 = _server_stats(primary)[2]
         system = [rng.randrange(49152) for _ in range(args.system_tokens)]
         sessions = [
@@ -83,7 +83,7 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
                 sid = queue.get_nowait()
                 start = time.perf_counter()
                 try:
-                    async with store.turn_lock(tenant.id, sid):
+                    async with store.turn_lock(tenant.id, sid) as lock:
                         session = await store.get_session(tenant.id, sid)
                         await store.get_messages(tenant.id, sid)
                         user = [rng.randrange(49152) for _ in range(half)]
@@ -102,6 +102,7 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
                                     completion_tokens=half,
                                 ),
                             ),
+                            lock=lock,
                             token_ids=[*session.token_ids, *user, *answer],
                         )
                 except SessionBusyError:  # another worker holds this session: requeue it

@@ -1,16 +1,27 @@
-"""Admin endpoints (admin key): cache statistics and Prometheus metrics."""
+"""Admin endpoints (admin key): cache statistics, Prometheus metrics, shared system prompts."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import anyio
-from litestar import Controller, Response, get
+from litestar import Controller, Response, delete, get, post
+from litestar.params import FromPath, JSONBody
 
+from chatsvc.api import generation as gen
 from chatsvc.api.auth import admin_guard
 from chatsvc.api.deps import ServicesDep
-from chatsvc.api.errors import documented_errors
+from chatsvc.api.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitError,
+    ServiceUnavailableError,
+    documented_errors,
+)
+from chatsvc.api.schemas import CreateSharedPrompt, SystemPromptList, SystemPromptView
+from chatsvc.api.system_prompts import UNKNOWN_PROMPT, prompt_view
 from chatsvc.metrics import CONTENT_TYPE
+from chatsvc.store.errors import LimitExceededError
 
 
 class AdminController(Controller):
@@ -21,7 +32,7 @@ class AdminController(Controller):
     @get(
         "/admin/cache",
         summary="Prefix-cache statistics",
-        responses=documented_errors(400, 401, 403),
+        responses=documented_errors(400, 401, 403, 503),
     )
     async def cache(self, services: ServicesDep) -> dict[str, Any]:
         """The engine's cache view (block hit rates, reuse histogram, tier occupancy,
@@ -32,8 +43,13 @@ class AdminController(Controller):
         (definitions in chatsvc/affinity.py)."""
         # Both wait for the engine thread to finish its current step, so they see
         # the same consistent state between steps.
-        engine = await anyio.to_thread.run_sync(services.engine.cache_stats)
-        integrity = await anyio.to_thread.run_sync(_integrity, services.engine)
+        from chatsvc.engine.errors import EngineStoppedError
+
+        try:
+            engine = await anyio.to_thread.run_sync(services.engine.cache_stats)
+            integrity = await anyio.to_thread.run_sync(_integrity, services.engine)
+        except EngineStoppedError as exc:  # a dead engine has no cache to report
+            raise ServiceUnavailableError(f"the engine is not running: {exc}") from None
         return {
             "engine": engine,
             "requests": services.usage.snapshot(),
@@ -51,6 +67,58 @@ class AdminController(Controller):
     async def metrics(self, services: ServicesDep) -> Response[bytes]:
         body = await anyio.to_thread.run_sync(services.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
+
+    @post(
+        "/admin/system-prompts",
+        summary="Publish a shared system prompt",
+        status_code=201,
+        responses=documented_errors(400, 401, 403, 413, 429, 503),
+    )
+    async def publish_prompt(
+        self, data: JSONBody[CreateSharedPrompt], services: ServicesDep
+    ) -> SystemPromptView:
+        """Every tenant can read the prompt and start sessions on it, and the KV blocks
+        of its tokens are shared across tenants: put nothing secret in it. 429 at
+        ``CHATSVC_MAX_SHARED_SYSTEM_PROMPTS``."""
+        text = gen.check_text(data.text, services, "system prompt")
+        token_ids = await gen.system_prefix_tokens(services, text)
+        limit = services.settings.limits.max_shared_system_prompts
+        try:
+            prompt = await services.store.create_shared_prompt(
+                data.name, text, token_ids, limit=limit
+            )
+        except LimitExceededError:
+            raise RateLimitError(
+                f"there are already {limit} shared system prompts; withdraw some first"
+            ) from None
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return prompt_view(prompt)
+
+    @get(
+        "/admin/system-prompts",
+        summary="Every shared system prompt",
+        responses=documented_errors(400, 401, 403, 503),
+    )
+    async def shared_prompts(self, services: ServicesDep) -> SystemPromptList:
+        prompts = await services.store.list_shared_prompts()
+        return SystemPromptList(system_prompts=[prompt_view(p) for p in prompts])
+
+    @delete(
+        "/admin/system-prompts/{prompt_id:str}",
+        summary="Withdraw a shared system prompt",
+        status_code=204,
+        responses=documented_errors(400, 401, 403, 404, 503),
+    )
+    async def withdraw_prompt(self, prompt_id: FromPath[str], services: ServicesDep) -> None:
+        """Sessions started on it keep working (they hold their own copy); later turns
+        of theirs hash its blocks privately. A tenant's private prompt answers 404."""
+        try:
+            deleted = await services.store.delete_shared_prompt(prompt_id)
+        except ValueError:
+            deleted = False
+        if not deleted:
+            raise NotFoundError(UNKNOWN_PROMPT)
 
 
 def _integrity(engine: Any) -> str:

@@ -17,6 +17,7 @@ from chatsvc.api.body_timeout import body_timeout_middleware
 from chatsvc.api.content_type import json_only_middleware
 from chatsvc.api.errors import EXCEPTION_HANDLERS
 from chatsvc.api.health import healthz, readyz
+from chatsvc.api.host_check import allowed_hosts_middleware
 from chatsvc.api.messages import MessageController
 from chatsvc.api.openai_compat import OpenAIController
 from chatsvc.api.sessions import SessionController
@@ -56,9 +57,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "tenant": Provide(provide_tenant),
         },
         exception_handlers=EXCEPTION_HANDLERS,
-        # Outermost first: the request id is set before anything can log.
+        # Outermost first: the request id is set before anything can log; a foreign
+        # Host is refused before any other check looks at the request.
         middleware=[
             RequestIdMiddleware,
+            allowed_hosts_middleware(settings.host_allow_list()),
             body_timeout_middleware(settings.limits.body_read_timeout_s),
             json_only_middleware,
         ],

@@ -30,13 +30,17 @@ def bearer_token(headers: dict[str, str] | object) -> str | None:
 
 
 async def provide_tenant(request: Request, services: ServicesDep) -> TenantRecord:
-    """Dependency: the calling tenant, or 401 (same answer for a missing and a wrong key)."""
-    if services.local_tenant is not None:
-        return services.local_tenant
+    """Dependency: the calling tenant, or 401 (same answer for a missing and a wrong key).
+
+    Only this replica's configured keys admit anyone (``services.tenants``);
+    nothing in Redis can add, keep or revive a key.
+    """
+    if services.tenants.local is not None:
+        return services.tenants.local
     token = bearer_token(request.headers)
     if token is None:
         raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-    tenant = await services.store.tenant_by_api_key(token)
+    tenant = services.tenants.tenant_for_key(token)
     if tenant is None:
         raise AuthenticationError("invalid API key")
     return tenant

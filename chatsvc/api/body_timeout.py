@@ -2,8 +2,10 @@
 
 uvicorn bounds idle keep-alive connections but not a request whose body
 trickles in (or stops): the handler would wait on ``receive()`` forever, one
-task and one socket per such client. This middleware gives every body chunk
-``timeout_s``; a client that misses it gets 408 and the connection closes.
+task and one socket per such client. This middleware gives the *whole* body
+``timeout_s`` from the moment the app first asks for it; a deadline per chunk
+would never fire for a client that sends one byte just inside it, again and
+again. A client that misses the deadline gets 408 and the connection closes.
 Once the body is complete the deadline is off, so a long SSE stream (which
 keeps awaiting ``receive()`` only to notice a disconnect) is not cut.
 """
@@ -21,7 +23,7 @@ class BodyReadTimeoutError(HTTPException):
 
 
 def body_timeout_middleware(timeout_s: float):
-    """A Litestar middleware factory bound to ``timeout_s`` seconds per body chunk."""
+    """A Litestar middleware factory bound to ``timeout_s`` seconds for the whole body."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
         async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
@@ -29,17 +31,22 @@ def body_timeout_middleware(timeout_s: float):
                 await app(scope, receive, send)
                 return
             body_done = False
+            deadline: float | None = None
 
             async def receive_with_deadline() -> Message:
-                nonlocal body_done
+                nonlocal body_done, deadline
                 if body_done:
                     return await receive()
+                if deadline is None:
+                    deadline = anyio.current_time() + timeout_s
                 try:
-                    with anyio.fail_after(timeout_s):
+                    with anyio.fail_after(max(deadline - anyio.current_time(), 0.0)):
                         message = await receive()
                 except TimeoutError:
                     raise BodyReadTimeoutError(
-                        f"the request body did not arrive within {timeout_s:g} s"
+                        f"the request body did not arrive within {timeout_s:g} s",
+                        # The unread rest of the body may still be arriving.
+                        headers={"Connection": "close"},
                     ) from None
                 if message["type"] != "http.request" or not message.get("more_body", False):
                     body_done = True

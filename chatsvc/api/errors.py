@@ -37,6 +37,12 @@ class InvalidRequestError(ApiError):
     """Bad input: values out of range, empty or oversized text, bad sampling options."""
 
 
+class InvalidHostError(ApiError):
+    """The ``Host`` header names a host this server does not serve (see api/host_check.py)."""
+
+    error_type = "invalid_host"
+
+
 class ContextLengthError(ApiError):
     error_type = "context_length_exceeded"
 
@@ -71,13 +77,36 @@ class ServiceUnavailableError(ApiError):
     error_type = "service_unavailable"
 
 
+class InternalServerError(ApiError):
+    """Our failure, not the client's: the message stays generic, the detail goes to the log."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
+# What a caller learns of a Redis outage. The exception's own text names the
+# server (host, port, socket path) and the driver's error; that is for the log.
+STORE_UNAVAILABLE_MESSAGE = "the session store is unavailable; try again later"
+
+
 def error_body(error_type: str, message: str) -> dict[str, dict[str, str]]:
     return {"error": {"type": error_type, "message": message}}
 
 
-def _json(status: int, error_type: str, message: str) -> Response:
+def log_store_unavailable(request: Request | None, exc: StoreUnavailableError) -> None:
+    """Log the detail of an outage that a caller is told about only generically."""
+    where = f" on {request.method} {request.url.path}" if request is not None else ""
+    log.warning("session store unavailable%s: %s", where, exc)
+
+
+def _json(
+    status: int, error_type: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
     return Response(
-        content=error_body(error_type, message), status_code=status, media_type=MediaType.JSON
+        content=error_body(error_type, message),
+        status_code=status,
+        media_type=MediaType.JSON,
+        headers=headers,
     )
 
 
@@ -95,8 +124,9 @@ def _store_not_found(_: Request, exc: StoreNotFoundError) -> Response:
     return _json(404, "not_found_error", "not found")
 
 
-def _store_unavailable(_: Request, exc: StoreUnavailableError) -> Response:
-    return _json(503, "store_unavailable", f"session store unavailable: {exc}")
+def _store_unavailable(request: Request, exc: StoreUnavailableError) -> Response:
+    log_store_unavailable(request, exc)
+    return _json(503, "store_unavailable", STORE_UNAVAILABLE_MESSAGE)
 
 
 def _validation(_: Request, exc: ValidationException) -> Response:
@@ -123,7 +153,7 @@ def _http(_: Request, exc: HTTPException) -> Response:
         429: "rate_limit_error",
     }
     kind = kinds.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "")
-    return _json(exc.status_code, kind or "server_error", exc.detail)
+    return _json(exc.status_code, kind or "server_error", exc.detail, exc.headers)
 
 
 def _undecodable(_: Request, exc: UnicodeDecodeError) -> Response:

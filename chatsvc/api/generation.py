@@ -6,19 +6,29 @@ touched, so a rejected request leaves no state behind.
 
 from __future__ import annotations
 
+import functools
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
 
 from chatsvc.api.errors import (
     ContextLengthError,
+    InternalServerError,
     InvalidRequestError,
     RateLimitError,
     ServiceUnavailableError,
 )
 from chatsvc.service import Services
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+ENGINE_FAILED = "the engine failed while generating this answer"
 
 
 @dataclass
@@ -118,14 +128,35 @@ def shared_prefix_len(prompt: list[int], system_prompt: SystemPromptRecord | Non
     return n if prompt[:n] == system_prompt.token_ids else 0
 
 
-def system_prefix_tokens(services: Services, text: str) -> list[int]:
+async def format_chat(call: Callable[..., T], *args: Any) -> T:
+    """Run a ChatFormat call (template rendering, tokenization) in a worker thread.
+
+    A large conversation takes long to render and tokenize; on the event loop
+    that would stall every other request and the turn locks' renewals. The
+    engine thread is not used: it is reserved for the model. A conversation the
+    chat format or the template refuses is a 400.
+    """
+    from jinja2 import TemplateError
+
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(call, *args))
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    except TemplateError as exc:
+        raise InvalidRequestError(f"the chat template refused the conversation: {exc}") from None
+
+
+async def system_prefix_tokens(services: Services, text: str) -> list[int]:
     """The tokens a system prompt contributes to the front of every rendered conversation.
 
     Rendering the system message followed by two different user messages and
     keeping the common prefix gives exactly the tokens that do not depend on
     what follows, whatever the template and tokenizer do at the boundary.
     """
-    fmt = services.engine.chat_format
+    return await format_chat(_system_prefix, services.engine.chat_format, text)
+
+
+def _system_prefix(fmt, text: str) -> list[int]:
     a = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "a"}])
     b = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "Zq"}])
     n = 0
@@ -166,10 +197,18 @@ def new_request_id(kind: str) -> str:
 async def generate(services: Services, request) -> AsyncIterator:
     """The engine's deltas for ``request``; leaving early aborts it and frees its blocks.
 
-    The engine's refusals become API errors: too large for the context or the
-    KV pool -> 400 context_length_exceeded; stopped -> 503.
+    The engine's errors become API errors: a bad request -> 400 (too large for the
+    context or the KV pool: context_length_exceeded); engine stopped or its thread
+    died -> 503; a step that failed for this request, or anything else the engine
+    raises -> 500 server_error with a generic message (the detail is logged, never
+    sent: it may describe the engine's internals).
     """
-    from chatsvc.engine.errors import EngineStoppedError, RequestTooLargeError
+    from chatsvc.engine.errors import (
+        EngineInternalError,
+        EngineStoppedError,
+        RequestTooLargeError,
+        RequestValidationError,
+    )
 
     try:
         async with aclosing(services.engine.generate(request)) as deltas:
@@ -177,10 +216,18 @@ async def generate(services: Services, request) -> AsyncIterator:
                 yield delta
     except RequestTooLargeError as exc:
         raise ContextLengthError(str(exc)) from None
-    except ValueError as exc:  # the engine's own validation of the request
+    except RequestValidationError as exc:
         raise InvalidRequestError(str(exc)) from None
     except EngineStoppedError as exc:
         raise ServiceUnavailableError(f"the engine is not running: {exc}") from None
+    except EngineInternalError as exc:
+        # The engine logged the cause with its traceback; this line ties it to the
+        # HTTP request's id.
+        log.error("engine request %s failed: %s", request.request_id, exc)
+        raise InternalServerError(ENGINE_FAILED) from None
+    except Exception:  # noqa: BLE001 - an engine bug: logged, answered as a 500
+        log.exception("engine request %s raised", request.request_id)
+        raise InternalServerError(ENGINE_FAILED) from None
 
 
 def record_finished(services: Services, endpoint: str, labels: dict[str, str], samples) -> None:

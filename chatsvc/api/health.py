@@ -16,13 +16,13 @@ async def healthz() -> Health:
 
 @get(
     "/readyz",
-    summary="Redis answers PING and the engine is started",
+    summary="Redis answers PING and the engine is serving",
     tags=["health"],
     responses={503: ResponseSpec(Health, description="Not ready", generate_examples=False)},
 )
 async def readyz(services: ServicesDep) -> Response[Health]:
     """200 when both are ready, else 503 with the failing check named."""
-    checks = {"engine": "ok" if services.engine_started else "not started"}
+    checks = {"engine": _engine_check(services)}
     try:
         await services.store.redis.ping()
         checks["store"] = "ok"
@@ -33,3 +33,13 @@ async def readyz(services: ServicesDep) -> Response[Health]:
         Health(status="ok" if ready else "unavailable", checks=checks),
         status_code=200 if ready else 503,
     )
+
+
+def _engine_check(services: ServicesDep) -> str:
+    if not services.engine_started:
+        return "not started"
+    failure = services.engine.failure
+    if failure is not None:
+        # The type only: this probe answers without auth.
+        return f"died: {type(failure).__name__}"
+    return "ok"

@@ -18,7 +18,15 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from chatsvc.api.deps import ServicesDep, TenantDep
-from chatsvc.api.errors import ApiError, NotFoundError, documented_errors, error_body
+from chatsvc.api.errors import (
+    STORE_UNAVAILABLE_MESSAGE,
+    ApiError,
+    NotFoundError,
+    documented_errors,
+    error_body,
+    log_store_unavailable,
+)
+from chatsvc.api.openapi_streams import StreamingOperation
 from chatsvc.api.schemas import MessageList, MessageView, PostMessage, TextDelta, TurnResult
 from chatsvc.api.turn import UNKNOWN_SESSION, begin_turn, run_turn
 from chatsvc.store import StoreUnavailableError
@@ -31,6 +39,7 @@ class MessageController(Controller):
     @post(
         "/",
         summary="Send a user message and get the assistant's answer",
+        operation_class=StreamingOperation,
         status_code=200,
         responses={
             200: ResponseSpec(
@@ -39,7 +48,7 @@ class MessageController(Controller):
                 "delta events then a done event carrying this body",
                 generate_examples=False,
             ),
-            **documented_errors(400, 401, 404, 409, 413, 429, 503),
+            **documented_errors(400, 401, 404, 409, 413, 429, 500, 503),
         },
     )
     async def post_message(
@@ -101,7 +110,10 @@ async def _sse(events: AsyncIterator[str | TurnResult]) -> AsyncIterator[ServerS
         body = error_body(exc.error_type, exc.message)
         yield ServerSentEventMessage(event="error", data=msgspec.json.encode(body).decode())
     except StoreUnavailableError as exc:
-        body = error_body("store_unavailable", f"the turn was not stored: {exc}")
+        log_store_unavailable(None, exc)
+        body = error_body(
+            "store_unavailable", f"the turn was not stored: {STORE_UNAVAILABLE_MESSAGE}"
+        )
         yield ServerSentEventMessage(event="error", data=msgspec.json.encode(body).decode())
     finally:
         await events.aclose()

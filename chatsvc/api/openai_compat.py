@@ -1,9 +1,10 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/models``.
 
 Stateless: the client sends the whole conversation each time, and the prefix
-cache (not a session) makes the repeated part cheap. A leading system message
-whose text equals a shared system prompt the tenant can see hashes in the
-public namespace, exactly as a session on that prompt would.
+cache (not a session) makes the repeated part cheap. A request that names a
+shared system prompt by ``system_prompt_id`` hashes that prompt's blocks in the
+public namespace, exactly as a session on that prompt would; a system message
+sent as text is private whatever it says.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from chatsvc.api.errors import (
     ApiError,
     InvalidRequestError,
     NotFoundError,
+    ServiceUnavailableError,
     documented_errors,
     error_body,
 )
@@ -40,6 +42,8 @@ from chatsvc.api.openai_schemas import (
     ModelList,
     PromptTokensDetails,
 )
+from chatsvc.api.openapi_streams import StreamingOperation
+from chatsvc.api.system_prompts import named_system_prompt
 
 ENDPOINT = "chat_completions"
 
@@ -55,6 +59,7 @@ class OpenAIController(Controller):
     @post(
         "/chat/completions",
         summary="Chat completion (OpenAI format)",
+        operation_class=StreamingOperation,
         status_code=200,
         responses={
             200: ResponseSpec(
@@ -63,7 +68,7 @@ class OpenAIController(Controller):
                 "objects ending with data: [DONE]",
                 generate_examples=False,
             ),
-            **documented_errors(400, 401, 404, 413, 429, 503),
+            **documented_errors(400, 401, 404, 413, 429, 500, 503),
         },
     )
     async def chat_completions(
@@ -119,6 +124,11 @@ async def _build_request(
         )
     if not data.messages:
         raise InvalidRequestError("messages must not be empty")
+    max_messages = services.settings.limits.max_messages
+    if len(data.messages) > max_messages:
+        raise InvalidRequestError(
+            f"the request has {len(data.messages)} messages; the limit is {max_messages}"
+        )
     if data.presence_penalty != 0 or data.frequency_penalty != 0 or data.logprobs:
         raise InvalidRequestError("presence/frequency penalties and logprobs are not supported")
     if data.max_tokens is not None and data.max_completion_tokens is not None:
@@ -127,6 +137,7 @@ async def _build_request(
     for m in data.messages:
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": m.text()})
+    system = await named_system_prompt(services, tenant, data.system_prompt_id, messages)
     if messages[-1]["role"] == "assistant":
         raise InvalidRequestError("the last message must not be the assistant's")
     total = sum(len(m["content"]) for m in messages)
@@ -143,22 +154,16 @@ async def _build_request(
         stop=data.stop_list(),
         n=data.n,
     )
-    prompt = services.engine.chat_format.render(messages)
+    prompt = await gen.format_chat(services.engine.chat_format.render, messages)
     sampling = gen.fit_context(services, len(prompt), sampling, requested)
     labels = {"tenant": tenant.id}
-    shared = None
-    if messages[0]["role"] == "system":
-        for candidate in await services.store.list_system_prompts(tenant.id):
-            if candidate.text == messages[0]["content"]:
-                labels["system_prompt"] = candidate.id
-                shared = candidate if candidate.shared else None
-                if shared is not None:
-                    break
+    if system is not None:
+        labels["system_prompt"] = system.id
     return GenerationRequest(
         request_id=gen.new_request_id("chat"),
         prompt_token_ids=prompt,
         sampling=sampling,
-        namespace=gen.namespace_for(tenant, gen.shared_prefix_len(prompt, shared)),
+        namespace=gen.namespace_for(tenant, gen.shared_prefix_len(prompt, system)),
         labels=labels,
     )
 
@@ -178,9 +183,10 @@ async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
 
 
 def _check_finished(services: ServicesDep, samples: list[gen.SampleResult]) -> None:
+    # The same answer as the native path's for an aborted generation: 503, retry later.
     if any(s.finish_reason in (None, "abort") for s in samples):
         services.metrics.observe_failure(ENDPOINT, "aborted")
-        raise ApiError("the generation was aborted", error_type="server_error")
+        raise ServiceUnavailableError("the generation was aborted")
 
 
 def _usage(samples: list[gen.SampleResult]) -> CompletionUsage:

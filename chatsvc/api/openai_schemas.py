@@ -50,6 +50,10 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     frequency_penalty: float = 0.0
     logprobs: bool = False
     user: str | None = None
+    # Extension (the openai SDK sends it with extra_body): a stored system prompt by
+    # id, whose text becomes the leading system message. Only a shared prompt named
+    # here puts the conversation's head in the public cache namespace.
+    system_prompt_id: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

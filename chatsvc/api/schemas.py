@@ -16,11 +16,20 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CreateSystemPrompt(Request):
+    """A tenant's private prompt. ``shared`` is accepted only as false (true: 403),
+    since only the operator shares (``CreateSharedPrompt``)."""
+
     name: str
     text: str
-    # Shared prompts are usable by every tenant and their KV blocks are shared
-    # across tenants; the text must then hold nothing secret.
     shared: bool = False
+
+
+class CreateSharedPrompt(Request):
+    """A prompt the operator publishes: every tenant can read it and use it, and its
+    KV blocks are shared across tenants, so the text must hold nothing secret."""
+
+    name: str
+    text: str
 
 
 class SystemPromptView(msgspec.Struct, kw_only=True):
@@ -45,6 +54,9 @@ class CreateSession(Request):
 
 
 class SessionView(msgspec.Struct, kw_only=True):
+    """A session's summary: never its messages or token ids (its size does not grow
+    with the conversation), so listing stays cheap however long sessions get."""
+
     id: str
     system_prompt_id: str | None
     metadata: dict[str, str]
@@ -55,6 +67,8 @@ class SessionView(msgspec.Struct, kw_only=True):
 
 
 class SessionList(msgspec.Struct, kw_only=True):
+    """One page, bounded by ``limit`` and by bytes; ``next_cursor`` None: the last page."""
+
     sessions: list[SessionView]
     next_cursor: str | None = None
 

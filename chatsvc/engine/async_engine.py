@@ -16,20 +16,30 @@ torch releases the GIL in its kernels, so the loop stays responsive while a
 step runs. Leaving ``generate`` early (break, aclose, cancellation) queues an
 abort that the thread applies before its next step, so the request's blocks
 are free once the current step ends.
+
+If the thread dies (an exception escapes a step or a command: see LLMEngine on
+which failures are a request's own and which are the engine's), it closes the
+command list, every stream waiting in ``generate`` gets EngineStoppedError, later
+calls get it at once, and the death callbacks run on the event loop (the service
+turns not-ready and exits, so a supervisor restarts it). The engine's state is
+not trusted again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine, StepOutput
-from chatsvc.engine.errors import EngineStoppedError
+from chatsvc.engine.errors import EngineStoppedError, RequestValidationError
 from chatsvc.engine.loader import LoadedModel
 from chatsvc.engine.request import GenerationDelta, GenerationRequest
+
+log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -46,6 +56,10 @@ class AsyncEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        # Set under _lock when the thread ends: no command is accepted after it.
+        self._closed = False
+        self.failure: BaseException | None = None  # what killed the engine thread
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -58,6 +72,7 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._closed = False
         ready: Future = Future()
         self._thread = threading.Thread(
             target=self._main, args=(ready,), name="chatsvc-engine", daemon=True
@@ -85,6 +100,21 @@ class AsyncEngine:
             queue.put_nowait(EngineStoppedError("the engine stopped"))
         self._queues.clear()
 
+    @property
+    def is_running(self) -> bool:
+        """Started and serving: not stopped, and the engine thread has not died."""
+        return self._thread is not None and not self._stopping and self.failure is None
+
+    def add_death_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` on the event loop once if the engine thread dies.
+
+        Not called on a normal ``stop()``. Registered after the death, it is called soon.
+        """
+        if self.failure is not None and self._loop is not None:
+            self._loop.call_soon(callback, self.failure)
+        else:
+            self._death_callbacks.append(callback)
+
     # -- the interface ------------------------------------------------------------
 
     @property
@@ -104,14 +134,20 @@ class AsyncEngine:
         return self._engine.max_context_len
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Stream the deltas of ``request``; raises its error (ValueError when it can never fit).
+        """Stream the deltas of ``request``; raises its error.
 
-        Stops after every sample has its final delta. Leaving early aborts the request.
+        RequestValidationError (a ValueError; RequestTooLargeError when it can never
+        fit): the request is bad, nothing was kept. EngineInternalError: a step failed
+        for this request alone, its blocks are freed. EngineStoppedError: the engine
+        is not running or its thread died. Stops after every sample has its final
+        delta. Leaving early aborts the request.
         """
+        if self.failure is not None:
+            raise _died(self.failure)
         if self._thread is None or self._stopping:
             raise EngineStoppedError("the engine is not running; call start() first")
         if request.request_id in self._queues:
-            raise ValueError(f"request {request.request_id!r} is already running")
+            raise RequestValidationError(f"request {request.request_id!r} is already running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         finished = False
@@ -133,7 +169,8 @@ class AsyncEngine:
                 self._submit("abort", request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request by id; its blocks are freed before the next step."""
+        """Abort a request by id: its blocks are freed before the next step, and its
+        stream ends with an ``abort`` delta per unfinished sample."""
         await self._call("abort", request_id)
 
     def cache_stats(self) -> dict:
@@ -165,20 +202,35 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     def _submit(self, kind: str, payload: object, future: Future | None = None) -> None:
+        """Queue a command for the engine thread; once it has ended, fail ``future`` now."""
         with self._lock:
-            self._commands.append((kind, (payload, future)))
-        self._wake.set()
+            if not self._closed:
+                self._commands.append((kind, (payload, future)))
+                self._wake.set()
+                return
+        if future is not None and future.set_running_or_notify_cancel():
+            future.set_exception(self._stopped_error())
+
+    def _stopped_error(self) -> EngineStoppedError:
+        if self.failure is not None:
+            return _died(self.failure)
+        return EngineStoppedError("the engine stopped")
 
     def _main(self, ready: Future) -> None:
         if not ready.set_running_or_notify_cancel():
+            self._close()
             return  # start() was cancelled before the thread ran
         try:
             self.engine = LLMEngine(self.config, self._loaded)
         except BaseException as error:  # noqa: BLE001 - raised in start()
+            self._close()
             ready.set_exception(error)
             return
         ready.set_result(None)
-        self._run()
+        try:
+            self._run()
+        except BaseException as error:  # noqa: BLE001 - the thread's death, reported below
+            self._die(error)
 
     def _run(self) -> None:
         engine = self._engine
@@ -188,19 +240,41 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            try:
-                outputs = engine.step()
-            except Exception as error:  # noqa: BLE001 - a bug in a step fails its requests
-                outputs = [
-                    StepOutput(request_id, None, error)
-                    for request_id in list(engine._requests)  # noqa: SLF001
-                ]
-                for out in outputs:
-                    engine.abort_request(out.request_id)
-            self._deliver(outputs)
+            self._deliver(engine.step())
         for request_id in list(engine._requests):  # noqa: SLF001
             engine.abort_request(request_id)
         self._apply_commands(engine)
+        self._close()
+
+    def _die(self, error: BaseException) -> None:
+        """The engine thread's last act after an unexpected exception."""
+        log.critical("the engine thread died; every request in flight fails", exc_info=error)
+        self.failure = error
+        self._close()
+        try:
+            self._loop.call_soon_threadsafe(self._fail_waiters)
+        except RuntimeError:  # the event loop is already closed: nobody is waiting
+            pass
+
+    def _fail_waiters(self) -> None:
+        # On the event loop: asyncio queues are not thread-safe.
+        error = self._stopped_error()
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for callback in self._death_callbacks:
+            try:
+                callback(self.failure)
+            except Exception:  # noqa: BLE001 - one callback's bug must not skip the others
+                log.exception("a death callback of the engine failed")
+
+    def _close(self) -> None:
+        """Refuse further commands and fail those still queued (their callers wait)."""
+        with self._lock:
+            self._closed = True
+            commands, self._commands = self._commands, []
+        for _, (_, future) in commands:
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(self._stopped_error())
 
     def _apply_commands(self, engine: LLMEngine) -> None:
         with self._lock:
@@ -212,18 +286,32 @@ class AsyncEngine:
             if future is not None and not future.set_running_or_notify_cancel():
                 continue
             try:
-                if kind == "add":
-                    result = engine.add_request(payload)
-                elif kind == "abort":
-                    result = engine.abort_request(payload)  # deltas: the caller already left
-                else:
-                    result = payload(engine)
-            except Exception as error:  # noqa: BLE001 - handed to the caller
+                result = self._apply(engine, kind, payload)
+            except Exception as error:
+                # Expected refusals (a bad request) and the caller's own function's
+                # errors go back to the caller; anything else leaves the engine's
+                # state in doubt, so the thread dies with it.
+                if isinstance(error, RequestValidationError) or kind == "call":
+                    if future is not None:
+                        future.set_exception(error)
+                    continue
                 if future is not None:
-                    future.set_exception(error)
-                continue
+                    future.set_exception(_died(error))
+                raise
+            if kind == "abort":
+                # Its final "abort" deltas end a stream still waiting in generate();
+                # when the stream itself left, its queue is gone and they are dropped.
+                self._deliver(result)
             if future is not None:
                 future.set_result(result if kind == "call" else None)
+
+    @staticmethod
+    def _apply(engine: LLMEngine, kind: str, payload):
+        if kind == "add":
+            return engine.add_request(payload)
+        if kind == "abort":
+            return engine.abort_request(payload)
+        return payload(engine)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         # One wake-up of the event loop per step, not one per stream: each wake-up is a
@@ -237,3 +325,8 @@ class AsyncEngine:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out.error if out.error is not None else out.delta)
+
+
+def _died(error: BaseException) -> EngineStoppedError:
+    # Only the type: the message may quote a request's data, and this error reaches clients.
+    return EngineStoppedError(f"the engine thread died ({type(error).__name__})")

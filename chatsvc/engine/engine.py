@@ -7,11 +7,20 @@ n > 1: a request starts as one sequence; when its prompt is computed, n - 1
 children are forked from it (``cache.fork``: every prompt block shared,
 refcount + 1, the partial last block copied on first write) and each sample
 draws its first token from the same logits with its own seed.
+
+Failure isolation: a failure that belongs to one request (non-finite logits in
+its row, its sampling, its stop handling or detokenization, a forward pass that
+fails with it alone) ends that request with EngineInternalError and frees its
+blocks; every other request of the step goes on with the tokens it would have
+produced without it. A failure of the shared machinery (the scheduler, the cache
+plans, the cache's bookkeeping) is raised from ``step``: the engine's state can no
+longer be trusted, and the AsyncEngine that owns it stops.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -23,7 +32,11 @@ from chatsvc.engine.allocator import keep_freed_memory
 from chatsvc.engine.chat_format import ChatFormat
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
-from chatsvc.engine.errors import RequestTooLargeError
+from chatsvc.engine.errors import (
+    EngineInternalError,
+    RequestTooLargeError,
+    RequestValidationError,
+)
 from chatsvc.engine.loader import LoadedModel, load_model
 from chatsvc.engine.request import (
     FinishReason,
@@ -32,11 +45,13 @@ from chatsvc.engine.request import (
     RequestMetrics,
 )
 from chatsvc.engine.runner import ModelRunner
-from chatsvc.engine.sampling import make_generator, sample
-from chatsvc.engine.scheduler import Scheduler, SchedulerConfig
+from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
+from chatsvc.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
 from kernels.backend import resolve_backend
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,10 +130,11 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Queue a request. Raises ValueError (RequestTooLargeError when it can never fit)."""
+        """Queue a request. Raises RequestValidationError (RequestTooLargeError when it can
+        never fit) before keeping any state of it."""
         request.validate(self.loaded.config.vocab_size)
         if request.request_id in self._requests:
-            raise ValueError(f"request {request.request_id!r} is already running")
+            raise RequestValidationError(f"request {request.request_id!r} is already running")
         num_prompt = len(request.prompt_token_ids)
         if num_prompt >= self.max_context_len:
             raise RequestTooLargeError(
@@ -174,22 +190,59 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one scheduler step; returns the deltas (and errors) it produced.
 
-        An exception from the cache plans or the model fails the requests of this
-        step (their blocks are freed) and is reported, not raised.
+        A request's own failure is reported as its error (its blocks are freed);
+        a failure of the scheduler, the cache plans or the cache's bookkeeping is
+        raised (see the module docstring).
         """
         out = self.scheduler.schedule()
         outputs: list[StepOutput] = []
         for seq, error in out.failed:
             outputs.extend(self._fail_request(seq.request.request_id, error))
-        try:
-            completing, logits = self.runner.execute(out, self.cache)
-        except Exception as error:  # noqa: BLE001 - reported to the affected callers
-            for request_id in dict.fromkeys(s.seq.request.request_id for s in out.scheduled):
-                outputs.extend(self._fail_request(request_id, error))
+        self.runner.execute_plans(out.plans)
+        if not out.scheduled:
             return outputs
+        items, logits = self._forward(out.scheduled, outputs)
+        if not items:
+            return outputs
+        completing, logits = self.runner.commit(items, self.cache, logits)
         if completing:
             outputs.extend(self._sample_and_stop([s.seq for s in completing], logits))
         return outputs
+
+    def _forward(
+        self, items: list[ScheduledSequence], outputs: list[StepOutput]
+    ) -> tuple[list[ScheduledSequence], torch.Tensor | None]:
+        """The step's forward pass; when it fails, each sequence alone, to find the culprits.
+
+        Returns the items computed and their logits rows; the requests of sequences
+        that fail alone are failed into ``outputs``. Retrying is safe: a failed pass
+        wrote only its own sequences' slots and marked nothing computed (runner.py).
+        """
+        try:
+            return items, self.runner.forward(items, self.cache)
+        except Exception as error:  # noqa: BLE001 - retried one by one below
+            log.warning(
+                "a forward pass over %d sequences failed (%s: %s); running them one by one",
+                len(items),
+                type(error).__name__,
+                error,
+            )
+        results = self.runner.forward_each(items, self.cache)
+        failed: dict[str, Exception] = {}
+        for item, result in zip(items, results, strict=True):
+            if isinstance(result, Exception):
+                failed.setdefault(item.seq.request.request_id, result)
+        for request_id, error in failed.items():
+            outputs.extend(self._fail_internal(request_id, "the model's forward pass", error))
+        # A sample of a failed request that ran fine alone is dropped with its request.
+        kept = [
+            (item, row)
+            for item, row in zip(items, results, strict=True)
+            if item.seq.request.request_id not in failed
+        ]
+        if not kept:
+            return [], None
+        return [item for item, _ in kept], torch.cat([row for _, row in kept])
 
     def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         rows: list[int] = []
@@ -204,11 +257,17 @@ class LLMEngine:
                     targets.append(child)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        tokens = sample(logits, [s.sampling for s in targets], [s.generator for s in targets])
+        results = sample_rows(logits, [s.sampling for s in targets], [s.generator for s in targets])
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(targets, tokens, strict=True):
-            outputs.append(self._append_token(seq, token, now))
+        for seq, result in zip(targets, results, strict=True):
+            request_id = seq.request.request_id
+            if request_id not in self._requests:
+                continue  # failed by another of its samples in this step
+            if isinstance(result, SamplingError):
+                outputs.extend(self._fail_internal(request_id, "sampling", result))
+                continue
+            outputs.extend(self._append_token(seq, result, now))
         return outputs
 
     def _fork_children(self, state: _RequestState, parent: Sequence) -> list[Sequence]:
@@ -224,9 +283,23 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> StepOutput:
-        state = self._requests[seq.request.request_id]
+    def _append_token(self, seq: Sequence, token: int, now: float) -> list[StepOutput]:
         seq.append_token(token, now)
+        try:
+            reason, text = self._stop_check(seq, token)
+        except Exception as error:  # noqa: BLE001 - this request's own text handling
+            return self._fail_internal(seq.request.request_id, "stop handling", error)
+        metrics = None
+        if reason is not None:
+            self.scheduler.remove(seq)
+            self._finish(seq, reason)
+            metrics = self._metrics(seq, now)
+        delta = GenerationDelta(seq.sample_index, [token], text, reason, metrics)
+        return [StepOutput(seq.request.request_id, delta)]
+
+    def _stop_check(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str]:
+        """Whether the newest token ends the sample, and the text it releases."""
+        state = self._requests[seq.request.request_id]
         reason: FinishReason | None = None
         if token in state.stop_token_ids:
             reason, text = "stop", ""
@@ -238,16 +311,9 @@ class LLMEngine:
                 reason = "length"
             elif seq.num_tokens >= self.max_context_len:
                 reason = "length"
-        metrics = None
         if reason is not None:
             text += seq.detokenizer.flush()
-            self.scheduler.remove(seq)
-            self._finish(seq, reason)
-            metrics = self._metrics(seq, now)
-        return StepOutput(
-            seq.request.request_id,
-            GenerationDelta(seq.sample_index, [token], text, reason, metrics),
-        )
+        return reason, text
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -258,6 +324,13 @@ class LLMEngine:
         state.num_unfinished -= 1
         if state.num_unfinished == 0:
             del self._requests[seq.request.request_id]
+
+    def _fail_internal(self, request_id: str, stage: str, error: Exception) -> list[StepOutput]:
+        """End a request whose own computation failed: EngineInternalError, detail logged."""
+        log.error("request %s failed in %s", request_id, stage, exc_info=error)
+        failure = EngineInternalError(f"request {request_id!r} failed in {stage}: {error}")
+        failure.__cause__ = error
+        return self._fail_request(request_id, failure)
 
     def _fail_request(self, request_id: str, error: Exception) -> list[StepOutput]:
         state = self._requests.pop(request_id, None)

@@ -1,13 +1,19 @@
 """Turns a scheduled step into tensors, runs the cache's block copies and the model.
 
 Per step, in order:
-1. every CachePlan of the step, call by call: swap_out (device -> host),
-   swap_in (host -> device), copies (device -> device, copy-on-write);
-2. one forward pass over the new tokens of all scheduled sequences;
-3. ``mark_computed`` for each sequence, so its newly full blocks join the index
-   only once their KV is really written.
+1. ``execute_plans``: every CachePlan of the step, call by call: swap_out
+   (device -> host), swap_in (host -> device), copies (device -> device,
+   copy-on-write);
+2. ``forward``: one forward pass over the new tokens of the scheduled sequences;
+3. ``commit``: ``mark_computed`` for each sequence, so its newly full blocks join
+   the index only once their KV is really written.
 It hands back the logits rows of sequences whose every token now has KV; rows of
 intermediate prefill chunks are dropped (nothing to sample there).
+
+The three are separate so a failed forward can be run again on fewer sequences:
+``forward`` writes K/V only into the slots of its own sequences' new tokens and
+changes no bookkeeping, so running it again (the plans are not run twice)
+rewrites the same slots, and nothing is marked computed until ``commit``.
 """
 
 from __future__ import annotations
@@ -54,12 +60,25 @@ class ModelRunner:
         self, out: SchedulerOutput, cache: KVCacheManager
     ) -> tuple[list[ScheduledSequence], torch.Tensor | None]:
         """Run a step; returns the completing sequences and their logits ``[N, vocab]`` (fp32)."""
-        for plan in out.plans:
-            self.execute_plan(plan)
+        self.execute_plans(out.plans)
         if not out.scheduled:
             return [], None
+        logits = self.forward(out.scheduled, cache)
+        return self.commit(out.scheduled, cache, logits)
+
+    def execute_plans(self, plans: list[CachePlan]) -> None:
+        """Run the step's cache plans, in order; once per step, before any forward."""
+        for plan in plans:
+            self.execute_plan(plan)
+
+    def forward(self, items: list[ScheduledSequence], cache: KVCacheManager) -> torch.Tensor:
+        """Logits ``[len(items), vocab]`` (fp32) of each item's last new token.
+
+        Writes the items' K/V into their slots and nothing else: the cache's
+        bookkeeping and ``num_computed_tokens`` stay as they were until ``commit``.
+        """
         token_ids, num_computed, slots, tables = [], [], [], []
-        for item in out.scheduled:
+        for item in items:
             seq = item.seq
             token_ids.append(
                 [seq.token_at(p) for p in range(item.start, item.start + item.num_new_tokens)]
@@ -70,17 +89,41 @@ class ModelRunner:
         batch = ForwardBatch.from_lists(
             token_ids, num_computed, slots, tables, self.block_size, self.model.device
         )
-        logits = self.model.forward(batch, self.kv_pool)  # [B, vocab]
-        for item in out.scheduled:
+        return self.model.forward(batch, self.kv_pool)  # [B, vocab]
+
+    def forward_each(
+        self, items: list[ScheduledSequence], cache: KVCacheManager
+    ) -> list[torch.Tensor | Exception]:
+        """Each item alone: its logits row ``[1, vocab]``, or the exception its pass raised.
+
+        For a batch whose ``forward`` failed: the items that fail alone are the
+        culprits. The same effects per item as ``forward`` (its own slots, no bookkeeping).
+        """
+        results: list[torch.Tensor | Exception] = []
+        for item in items:
+            try:
+                results.append(self.forward([item], cache))
+            except Exception as error:  # noqa: BLE001 - handed back as this item's result
+                results.append(error)
+        return results
+
+    def commit(
+        self, items: list[ScheduledSequence], cache: KVCacheManager, logits: torch.Tensor
+    ) -> tuple[list[ScheduledSequence], torch.Tensor | None]:
+        """Mark the items' new tokens computed; returns the completing items and their rows.
+
+        ``logits`` row i belongs to ``items[i]``.
+        """
+        for item in items:
             done = item.start + item.num_new_tokens
             cache.mark_computed(item.seq.seq_id, done)
             item.seq.num_computed_tokens = done
-        rows = [i for i, item in enumerate(out.scheduled) if item.completes]
+        rows = [i for i, item in enumerate(items) if item.completes]
         if not rows:
             return [], None
-        if len(rows) < len(out.scheduled):
+        if len(rows) < len(items):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        return [out.scheduled[i] for i in rows], logits
+        return [items[i] for i in rows], logits
 
 
 def _pairs(pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:

@@ -4,6 +4,10 @@ Greedy rows are one vectorised argmax. Sampled rows go one by one, each drawing
 from its own ``torch.Generator``: a row's draw then depends only on its own
 logits and seed, never on which other sequences share the batch, which is
 what makes "same seed -> same output" hold under continuous batching.
+
+Rows fail alone: ``sample_rows`` hands back an error for a row whose logits are
+not finite or whose draw fails, and every other row's token is the one it would
+have drawn without that row.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import torch
 from chatsvc.engine.request import SamplingParams
 
 
+class SamplingError(RuntimeError):
+    """One row could not be sampled (its logits hold NaN or infinity, or the draw failed)."""
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     """A CPU generator for one sample; an unseeded one still gets a fresh random seed."""
     generator = torch.Generator(device="cpu")
@@ -24,10 +32,18 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[V]`` (fp32) after temperature, top-k, top-p; zero outside the kept set."""
-    if params.temperature <= 0.0:
-        raise ValueError("filtered_probs needs temperature > 0; greedy rows use argmax")
-    scaled = logits.float() / params.temperature
+    """Probabilities ``[V]`` (fp32) after temperature, top-k, top-p; zero outside the kept set.
+
+    ``logits`` must be finite. The row's maximum is subtracted before dividing by the
+    temperature, so every scaled value is <= 0 and nothing overflows for any
+    temperature the greedy line lets through.
+    """
+    if params.is_greedy:
+        raise ValueError(
+            f"filtered_probs needs a sampling temperature; {params.temperature} is greedy (argmax)"
+        )
+    logits = logits.float()
+    scaled = (logits - logits.max()) / params.temperature
     vocab_size = scaled.shape[-1]
     if 0 < params.top_k < vocab_size:
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -46,14 +62,17 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-def sample(
+def sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """Next token per row of ``logits [B, V]``; ``params[i]`` and ``generators[i]`` belong to row i.
+) -> list[int | SamplingError]:
+    """Next token per row of ``logits [B, V]``, or the SamplingError that row ended with.
 
-    Greedy rows (temperature 0) may pass ``None`` as generator; sampled rows must not.
+    ``params[i]`` and ``generators[i]`` belong to row i. Greedy rows may pass ``None``
+    as generator; sampled rows must not. A bad row never changes another row's token
+    or advances another row's generator. Raises ValueError when the arguments do not
+    line up (a caller's bug, not a row's).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -62,21 +81,52 @@ def sample(
         raise ValueError(
             f"{num_rows} logit rows but {len(params)} params and {len(generators)} generators"
         )
-    tokens = [0] * num_rows
-    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        if generator is None and not p.is_greedy:
+            raise ValueError(
+                f"row {row} samples with temperature {p.temperature} but has no generator"
+            )
+    results: list[int | SamplingError] = [0] * num_rows
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    for row, ok in enumerate(finite):
+        if not ok:
+            results[row] = SamplingError(f"row {row}: the logits hold NaN or infinity")
+    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy and finite[i]]
     if greedy_rows:
         index = torch.tensor(greedy_rows, dtype=torch.long, device=logits.device)
         picked = torch.argmax(logits.index_select(0, index), dim=-1).tolist()
         for row, token in zip(greedy_rows, picked, strict=True):
-            tokens[row] = token
+            results[row] = token
     for row, p in enumerate(params):
-        if p.is_greedy:
+        if p.is_greedy or not finite[row]:
             continue
-        generator = generators[row]
-        if generator is None:
-            raise ValueError(
-                f"row {row} samples with temperature {p.temperature} but has no generator"
-            )
-        probs = filtered_probs(logits[row].cpu(), p)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())
-    return tokens
+        results[row] = _draw(row, logits[row], p, generators[row])
+    return results
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """Next token per row of ``logits [B, V]``; raises the first row's SamplingError.
+
+    For callers that fail as a whole; the engine uses ``sample_rows``.
+    """
+    results = sample_rows(logits, params, generators)
+    for result in results:
+        if isinstance(result, SamplingError):
+            raise result
+    return results
+
+
+def _draw(
+    row: int, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> int | SamplingError:
+    try:
+        probs = filtered_probs(logits.cpu(), params)
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+    except RuntimeError as error:  # torch's refusal of a distribution it cannot draw from
+        failure = SamplingError(f"row {row}: {error}")
+        failure.__cause__ = error
+        return failure

@@ -9,10 +9,15 @@ sequences (``max_num_seqs``). Order of business:
    prefill: a long prompt advances a chunk per step between decodes).
 3. Admission: waiting sequences join while budget, sequence slots and blocks
    last. ``allocate`` maps the longest cached prefix first, so only the
-   uncached suffix is computed. Order: re-queued preempted sequences, then
-   those waiting past the age bound (FIFO), then the longest cached prefix
-   first. Admission stops at the first candidate that does not fit, so a big
-   request is not overtaken forever by small ones.
+   uncached suffix is computed. Between tenants it is fair (``fairness.py``):
+   the next candidate comes from the waiting tenant holding the fewest
+   sequence slots. Within a tenant the order is: re-queued preempted
+   sequences, then those waiting past the age bound (FIFO), then the longest
+   cached prefix first. Admission stops at the first candidate that does not
+   fit, so a big request is not overtaken forever by small ones. A request
+   with ``n`` samples holds ``n`` slots from its admission on, so
+   ``max_num_seqs`` bounds the running sequences, forks included; a request
+   whose ``n`` exceeds it runs alone rather than never.
 4. Deferral for in-flight prefixes: a candidate whose prefix continues
    through blocks another sequence is computing right now (``pending`` in the
    cache, e.g. 16 conversations opening at once with one system prompt) is
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 from cache import CachePlan, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.errors import RequestTooLargeError
+from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
@@ -215,12 +221,15 @@ class Scheduler:
         return [table[p // size] * size + p % size for p in range(start, start + chunk)]
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
-        if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if budget == 0 or not self.waiting:
             return
         urgent, ranked = self._ranked_waiting()
         candidates = [(seq, False) for seq in urgent] + [(seq, True) for seq in ranked]
-        for seq, may_defer in candidates:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+        queue = FairQueue(candidates, self.running)
+        while queue and budget > 0:
+            seq, may_defer = queue.pop()
+            # A request with n above the cap still runs, alone, rather than never.
+            if queue.num_slots and queue.num_slots + slots_of(seq) > self.config.max_num_seqs:
                 break
             # Measured again: an admission just before may have changed what is cached.
             match = self.cache.match_prefix(seq.token_ids(), seq.request.namespace)
@@ -254,6 +263,7 @@ class Scheduler:
             seq.num_computed_tokens = result.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            queue.admit(seq)
             chunk = min(seq.num_tokens_to_compute, budget)
             out.scheduled.append(ScheduledSequence(seq, chunk, self._prefill_slots(seq, chunk)))
             budget -= chunk

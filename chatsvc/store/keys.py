@@ -1,18 +1,21 @@
 """Every Redis key chatsvc uses, under one prefix.
 
-Layout (``p`` = prefix, schema version 2):
+Layout (``p`` = prefix, schema version 4):
 
     p:schema_version                 string  newest applied migration number
     p:migration_lock                 string  held while migrations run
     p:meta                           hash    created_at, layout (written by migration 0001)
+    p:tenants                        hash    tenant name -> tenant id (names are identities)
     p:tenant:<tid>                   string  TenantRecord
-    p:apikey:<sha256 hex>            string  tenant id owning that API key
-    p:tenant:<tid>:prompts           set     ids of the tenant's system prompts
-    p:prompts:shared                 set     ids of shared system prompts
+    p:apikey:<sha256 hex>            string  layouts 1-2 only; migration 0003 deletes them
+    p:tenant:<tid>:prompts           set     ids of the tenant's (private) system prompts
+    p:prompts:shared                 set     ids of the shared system prompts the operator published
     p:prompt:<pid>                   string  SystemPromptRecord
     p:tenant:<tid>:sessions          zset    session ids scored by updated_at (v1: a set)
-    p:session:{<sid>}                string  SessionRecord
+    p:session:{<sid>}                string  SessionSummary (v2: the whole SessionRecord)
+    p:session:{<sid>}:tokens         string  the token history (msgpack array)
     p:session:{<sid>}:messages       list    MessageRecord, oldest first
+    p:session:{<sid>}:commits        list    ids of the newest applied turns, newest first
     p:session:{<sid>}:lock           string  turn-lock token
 
 A session's keys all carry ``{<sid>}``: the braces make it the Redis Cluster
@@ -53,11 +56,19 @@ class Keys:
     def meta(self) -> str:
         return f"{self.prefix}:meta"
 
+    def tenant_names(self) -> str:
+        return f"{self.prefix}:tenants"
+
     def tenant(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}"
 
-    def api_key(self, key_hash: str) -> str:
-        return f"{self.prefix}:apikey:{key_hash}"
+    def tenant_records_pattern(self) -> str:
+        """SCAN pattern of the tenant records (with ``_type="string"``; used by migrations)."""
+        return f"{self.prefix}:tenant:*"
+
+    def legacy_api_keys_pattern(self) -> str:
+        """SCAN pattern of the key records layouts 1-2 kept (used by migration 0003)."""
+        return f"{self.prefix}:apikey:*"
 
     def tenant_prompts(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}:prompts"
@@ -78,6 +89,16 @@ class Keys:
     def session(self, session_id: str) -> str:
         return f"{self.prefix}:session:{{{session_id}}}"
 
+    def sessions_pattern(self) -> str:
+        """SCAN pattern matching every session's summary key, and no other key."""
+        return f"{self.prefix}:session:{{*}}"
+
+    def session_tokens(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:tokens"
+
+    def session_commits(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:commits"
+
     def session_messages(self, session_id: str) -> str:
         return f"{self.prefix}:session:{{{session_id}}}:messages"
 
@@ -86,7 +107,12 @@ class Keys:
 
     def session_data_keys(self, session_id: str) -> list[str]:
         """The keys that hold a session's data and share its idle TTL."""
-        return [self.session(session_id), self.session_messages(session_id)]
+        return [
+            self.session(session_id),
+            self.session_tokens(session_id),
+            self.session_messages(session_id),
+            self.session_commits(session_id),
+        ]
 
     def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session, the lock included: what delete removes."""

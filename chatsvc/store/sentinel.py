@@ -12,10 +12,11 @@ to the promoted replica; no restart is needed.
 
 Asynchronous replication alone can lose a write the primary had already
 answered: the primary dies before the replica received it and the replica is
-promoted without it. So every MULTI/EXEC (a stored turn, a new session) is
-followed by ``WAIT wait_replicas wait_timeout_ms`` on the same connection and
-counts as done only once that many replicas hold it; a transaction that only
-reads skips the wait (a read must not fail because a replica is down). When
+promoted without it. So every Lua script (a stored turn, a new session, a lock
+release) and every MULTI/EXEC that writes is followed by
+``WAIT wait_replicas wait_timeout_ms`` on the same connection and counts as
+done only once that many replicas hold it; a transaction that only reads skips
+the wait (a read must not fail because a replica is down). When
 fewer confirm in time, the store raises ``UnconfirmedWriteError`` (a
 ``StoreUnavailableError``, so the API answers 503): the write may exist on the
 primary, but it was never acknowledged. ``wait_replicas=0`` turns the wait off
@@ -43,7 +44,7 @@ DEFAULT_WAIT_TIMEOUT_MS = 500
 
 
 class UnconfirmedWriteError(StoreUnavailableError):
-    """A MULTI/EXEC ran on the primary but too few replicas confirmed it in time."""
+    """A write (MULTI/EXEC or script) ran on the primary; too few replicas confirmed it in time."""
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,13 @@ async def confirm_replicated(connection: Any, replicas: int, timeout_ms: int) ->
     """``WAIT`` on ``connection`` for its writes so far; raise unless ``replicas`` hold them.
 
     WAIT counts the replicas that acknowledged everything this connection wrote,
-    which is why it must run on the connection of the transaction itself.
+    which is why it must run on the connection of the write itself.
     """
     try:
         await connection.send_command("WAIT", replicas, timeout_ms)
         confirmed = int(await connection.read_response())
     except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-        # Not retried: the transaction before it may have committed, and a
+        # Not retried: the write before it may have committed, and a
         # retry of the whole pipeline would apply it twice.
         raise UnconfirmedWriteError(
             f"lost the primary while waiting for {replicas} replica(s) to confirm a write; "
@@ -218,12 +219,27 @@ class ReplicatedPipeline(Pipeline):
         return response
 
 
+# A Lua script is one atomic step that may write (the store's commits, session
+# creates and lock releases are scripts), so it is confirmed like a transaction.
+SCRIPT_COMMANDS = frozenset({"EVAL", "EVALSHA"})
+
+
 class SentinelRedis(aredis.Redis):
-    """The primary's client: transactions wait for replicas; ``aclose`` closes the Sentinels."""
+    """The primary's client: transactions and scripts wait for replicas; ``aclose``
+    closes the Sentinels."""
 
     wait_replicas = 0
     wait_timeout_ms = DEFAULT_WAIT_TIMEOUT_MS
     sentinel: Sentinel | None = None
+
+    async def _send_command_parse_response(self, conn, command_name, *args, **options):
+        # redis-py's hook for one command's round trip on a held connection: the
+        # WAIT must follow on that same connection. A script error (NOSCRIPT
+        # included) raises before the wait, as a failed script applied nothing.
+        reply = await super()._send_command_parse_response(conn, command_name, *args, **options)
+        if self.wait_replicas and str(command_name).upper() in SCRIPT_COMMANDS:
+            await confirm_replicated(conn, self.wait_replicas, self.wait_timeout_ms)
+        return reply
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         pipe = ReplicatedPipeline(

@@ -3,35 +3,35 @@
 One ``Store`` per process, shared by every request. Ids handed in by callers
 are checked before use; an id that belongs to another tenant behaves exactly
 like an unknown one (None / False / NotFoundError), so ids leak nothing.
+Tenants live in ``tenants.py``, system prompts in ``prompts.py``, sessions and
+turns in ``sessions.py``; this class joins them with the connection and the lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
-import secrets
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
-from chatsvc.store import validate as v
 from chatsvc.store.connection import make_client, unavailable_on_failure
 from chatsvc.store.errors import NotFoundError, SessionBusyError
-from chatsvc.store.keys import Keys, check_id
+from chatsvc.store.keys import Keys
 from chatsvc.store.lock import RedisLock, keep_held
-from chatsvc.store.records import SystemPromptRecord, TenantRecord, decode, encode, now
-from chatsvc.store.sessions import SessionStore
+from chatsvc.store.prompts import PromptStore
+from chatsvc.store.tenants import TenantStore
 from migrations.runner import apply_pending
 
 
 def hash_api_key(api_key: str) -> str:
-    """Hex sha256 of an API key: what is stored, and what lookups are keyed by."""
+    """Hex sha256 of an API key: what key lookups compare (the key itself is kept nowhere)."""
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-class Store(SessionStore):
-    """Tenants and system prompts here; sessions and turns in ``SessionStore``."""
+class Store(PromptStore, TenantStore):
+    """Tenants (``TenantStore``), system prompts (``PromptStore``) and sessions and
+    turns (``SessionStore``, their common base) over one connection pool."""
 
     def __init__(
         self,
@@ -80,113 +80,18 @@ class Store(SessionStore):
         """Close the connection pool; the store is unusable afterwards."""
         await self.redis.aclose()
 
-    # -- tenants -------------------------------------------------------------
-
-    async def create_tenant(self, name: str, api_key: str) -> TenantRecord:
-        """Register a tenant whose requests authenticate with ``api_key``.
-
-        Raises ``ValueError`` if the key is too short or already registered.
-        """
-        v.check_name("name", name)
-        key_hash = hash_api_key(v.check_api_key(api_key))
-        tenant = TenantRecord(
-            id=secrets.token_hex(16),
-            name=name,
-            api_key_hash=key_hash,
-            cache_salt=secrets.token_bytes(32),
-            created_at=now(),
-        )
-        key_key = self.keys.api_key(key_hash)
-        with self._unavailable():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                # WATCH makes the existence check and the writes one atomic step.
-                await pipe.watch(key_key)
-                if await pipe.exists(key_key):
-                    raise ValueError("this API key is already registered")
-                pipe.multi()
-                pipe.set(self.keys.tenant(tenant.id), encode(tenant))
-                pipe.set(key_key, tenant.id)
-                await pipe.execute()
-        return tenant
-
-    async def tenant_by_api_key(self, api_key: str) -> TenantRecord | None:
-        """The tenant owning ``api_key``, or None for an unknown key."""
-        if not isinstance(api_key, str) or not api_key:
-            return None
-        key_hash = hash_api_key(api_key)
-        with self._unavailable():
-            tenant_id = await self.redis.get(self.keys.api_key(key_hash))
-            if tenant_id is None:
-                return None
-            tenant = await self._tenant(tenant_id.decode())
-        if tenant is None or not hmac.compare_digest(tenant.api_key_hash, key_hash):
-            return None
-        return tenant
-
-    async def get_tenant(self, tenant_id: str) -> TenantRecord | None:
-        """The tenant with this id, or None."""
-        check_id("tenant", tenant_id)
-        with self._unavailable():
-            return await self._tenant(tenant_id)
-
-    # -- system prompts ------------------------------------------------------
-
-    async def create_system_prompt(
-        self, tenant_id: str, name: str, text: str, token_ids: list[int], shared: bool
-    ) -> SystemPromptRecord:
-        """Store a system prompt owned by ``tenant_id``; ``shared`` makes it visible to all."""
-        v.check_name("name", name)
-        v.check_text("text", text, allow_empty=False)
-        tokens = v.check_token_ids("token_ids", token_ids)
-        if not isinstance(shared, bool):
-            raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
-        prompt = SystemPromptRecord(
-            id=secrets.token_hex(16),
-            tenant_id=tenant_id,
-            name=name,
-            text=text,
-            token_ids=tokens,
-            shared=shared,
-            created_at=now(),
-        )
-        with self._unavailable():
-            await self._require_tenant(tenant_id)
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.set(self.keys.prompt(prompt.id), encode(prompt))
-                pipe.sadd(self.keys.tenant_prompts(tenant_id), prompt.id)
-                if shared:
-                    pipe.sadd(self.keys.shared_prompts(), prompt.id)
-                await pipe.execute()
-        return prompt
-
-    async def get_system_prompt(self, tenant_id: str, prompt_id: str) -> SystemPromptRecord | None:
-        """The prompt if ``tenant_id`` owns it or it is shared; else None."""
-        check_id("tenant", tenant_id)
-        with self._unavailable():
-            return await self._visible_prompt(tenant_id, prompt_id)
-
-    async def list_system_prompts(self, tenant_id: str) -> list[SystemPromptRecord]:
-        """The tenant's own prompts and every shared one, oldest first."""
-        check_id("tenant", tenant_id)
-        with self._unavailable():
-            ids = await self.redis.sunion(
-                [self.keys.tenant_prompts(tenant_id), self.keys.shared_prompts()]
-            )
-            ordered = sorted(i.decode() for i in ids)
-            raws = await self.redis.mget([self.keys.prompt(i) for i in ordered]) if ids else []
-        prompts = [decode(SystemPromptRecord, raw) for raw in raws if raw is not None]
-        return sorted(prompts, key=lambda p: (p.created_at, p.id))
-
     # -- turn lock -----------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def turn_lock(self, tenant_id: str, session_id: str) -> AsyncIterator[None]:
+    async def turn_lock(self, tenant_id: str, session_id: str) -> AsyncIterator[RedisLock]:
         """Hold the session's turn lock for the block: one turn at a time per session.
 
-        Raises ``NotFoundError`` for an unknown (or another tenant's) session and
-        ``SessionBusyError`` if a turn is already running. The lock is extended
-        while the block runs, released when it exits (also on exceptions), and
-        expires after ``lock_ttl_s`` if this process dies.
+        Yields the lock, which ``append_turn`` needs: a turn commits only while
+        its lock is still the session's (fencing). Raises ``NotFoundError`` for
+        an unknown (or another tenant's) session and ``SessionBusyError`` if a
+        turn is already running. The lock is extended while the block runs,
+        released when it exits (also on exceptions), and expires after
+        ``lock_ttl_s`` if this process dies or stalls for that long.
         """
         with self._unavailable():
             if await self._visible_session(tenant_id, session_id) is None:
@@ -196,4 +101,4 @@ class Store(SessionStore):
         if not acquired:
             raise SessionBusyError(f"session {session_id!r} is already running a turn")
         async with keep_held(lock):
-            yield
+            yield lock

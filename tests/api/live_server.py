@@ -88,9 +88,13 @@ class ThreadServer:
 
 
 class ProcessServer:
-    """``python -m chatsvc serve`` as a child process with the given CHATSVC_* variables."""
+    """``python -m chatsvc serve`` as a child process with the given CHATSVC_* variables.
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    ``module``: run ``python -m <module> serve`` instead (a wrapper that injects a fault).
+    """
+
+    def __init__(self, env: dict[str, str], log_path: Path, module: str = "chatsvc") -> None:
+        self.module = module
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **env, "CHATSVC_PORT": str(self.port)}
@@ -100,7 +104,7 @@ class ProcessServer:
     def start(self, timeout_s: float = 300.0) -> ProcessServer:
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "chatsvc", "serve", "--log-level", "warning"],
+            [sys.executable, "-m", self.module, "serve", "--log-level", "warning"],
             cwd=REPO,
             env=self.env,
             stdout=log,

@@ -23,8 +23,8 @@ def test_reads_every_variable():
             "CHATSVC_REDIS_URL": "redis://redis:6379/0",
             "CHATSVC_KEY_PREFIX": "prod",
             "CHATSVC_SESSION_TTL_S": "3600",
-            "CHATSVC_ADMIN_KEY": "admin-key-123",
-            "CHATSVC_API_KEYS": "acme:key-aaaa-1111, globex:key:with:colons",
+            "CHATSVC_ADMIN_KEY": "admin-key-123456789",
+            "CHATSVC_API_KEYS": "acme:key-aaaa-1111-bbbb, globex:key:with:colons:2222",
             "CHATSVC_MAX_TOKENS_CAP": "99",
             "CHATSVC_MAX_STREAMS_PER_TENANT": "2",
             "CHATSVC_TURN_LOCK_TTL_S": "5",
@@ -34,7 +34,10 @@ def test_reads_every_variable():
     assert settings.redis_url == "redis://redis:6379/0"
     assert settings.key_prefix == "prod"
     assert settings.session_ttl_s == 3600
-    assert settings.api_keys == (("acme", "key-aaaa-1111"), ("globex", "key:with:colons"))
+    assert settings.api_keys == (
+        ("acme", "key-aaaa-1111-bbbb"),
+        ("globex", "key:with:colons:2222"),
+    )
     assert settings.limits.max_tokens_cap == 99
     assert settings.limits.max_streams_per_tenant == 2
     assert settings.turn_lock_ttl_s == 5
@@ -56,9 +59,9 @@ def test_refuses_public_host_without_keys():
         ({"CHATSVC_KEY_PREFIX": "has space"}, "key prefix"),
         ({"CHATSVC_MAX_N": "0"}, "max_n"),
         ({"CHATSVC_API_KEYS": "acme"}, "not tenant:key"),
-        ({"CHATSVC_API_KEYS": "acme:short"}, "under 8"),
-        ({"CHATSVC_API_KEYS": "a:key-00000001,a:key-00000002"}, "once"),
-        ({"CHATSVC_API_KEYS": "a:key-00000001,b:key-00000001"}, "distinct"),
+        ({"CHATSVC_API_KEYS": "acme:short"}, "'acme' must be at least 16"),
+        ({"CHATSVC_API_KEYS": "a:key-000000000001,a:key-000000000002"}, "once"),
+        ({"CHATSVC_API_KEYS": "a:key-000000000001,b:key-000000000001"}, "distinct"),
         ({"CHATSVC_ADMIN_KEY": "short"}, "admin key"),
         ({"CHATSVC_TURN_LOCK_TTL_S": "0"}, "turn lock TTL"),
     ],
@@ -76,4 +79,30 @@ def test_overrides_are_validated():
 
 
 def test_parse_api_keys_skips_blank_entries():
-    assert parse_api_keys(" , acme:key-12345678 ,") == (("acme", "key-12345678"),)
+    assert parse_api_keys(" , acme:key-123456789012 ,") == (("acme", "key-123456789012"),)
+
+
+@pytest.mark.parametrize("key", ["k" * 8, "0123456789abcde"])
+def test_keys_the_tenant_check_would_refuse_are_a_settings_error(key):
+    # 8-15 characters used to pass here and then crash start-up in the store.
+    with pytest.raises(SettingsError, match=r"tenant 'acme' must be at least 16 characters"):
+        Settings.from_env({"CHATSVC_API_KEYS": f"globex:{'g' * 16},acme:{key}"})
+    # Settings built in code (tests, embedding) are held to the same rule.
+    with pytest.raises(SettingsError, match="'acme'"):
+        Settings(api_keys=(("acme", key),)).validate()
+    assert Settings.from_env({"CHATSVC_API_KEYS": f"acme:{key}x" + "y" * 16}).auth_enabled
+
+
+def test_admin_key_and_tenant_names_follow_the_same_rules():
+    with pytest.raises(SettingsError, match="admin key must be at least 16"):
+        Settings.from_env({"CHATSVC_ADMIN_KEY": "admin-key-12"})
+    with pytest.raises(SettingsError, match="tenant name"):
+        Settings(api_keys=(("x" * 201, "k" * 32),)).validate()
+    with pytest.raises(SettingsError, match="tenant name"):
+        Settings(api_keys=((" ", "k" * 32),)).validate()
+
+
+def test_a_malformed_entry_is_named_by_position_not_echoed():
+    with pytest.raises(SettingsError, match="entry 2 is not tenant:key") as raised:
+        Settings.from_env({"CHATSVC_API_KEYS": "acme:key-123456789012,bare-secret-key-0001"})
+    assert "bare-secret-key-0001" not in str(raised.value)

@@ -72,7 +72,7 @@ def test_disconnect_cancels_and_the_turn_is_not_stored(api, acme):
     say(acme, sid, unique("First question."))
     before = acme.get(f"/sessions/{sid}/messages").json()
     tokens_before = acme.get(f"/sessions/{sid}").json()["num_tokens"]
-    tenant_id = api.call(api.services.store.tenant_by_api_key("acme-secret-key-0001")).id
+    tenant_id = api.services.tenants.tenant_for_key("acme-secret-key-0001").id
 
     with _stream(acme, sid, unique("Tell a very long story."), max_tokens=64) as response:
         assert next(iter_sse(response.iter_lines()))[0] == "delta"

@@ -62,8 +62,11 @@ def engine_config():
 
 
 @contextlib.contextmanager
-def start_server(redis_url: str, limits: Limits = RELIABILITY_LIMITS) -> Iterator[ThreadServer]:
-    """A live in-process server on its own key prefix (``server.prefix``)."""
+def start_server(
+    redis_url: str, limits: Limits = RELIABILITY_LIMITS, engine=None
+) -> Iterator[ThreadServer]:
+    """A live in-process server on its own key prefix (``server.prefix``); ``engine``
+    replaces the default ``engine_config()``."""
     from chatsvc.api.app import create_app
 
     prefix = unique_prefix("rel")
@@ -73,7 +76,7 @@ def start_server(redis_url: str, limits: Limits = RELIABILITY_LIMITS) -> Iterato
         admin_key=ADMIN_KEY,
         api_keys=tuple(TENANT_KEYS.items()),
         limits=limits,
-        engine=engine_config(),
+        engine=engine_config() if engine is None else engine,
     )
     with ThreadServer(create_app(settings)) as server:
         server.prefix = prefix
@@ -156,12 +159,16 @@ def session_problems(server: ThreadServer, api_key: str) -> list[str]:
 
     async def scan() -> list[str]:
         store = server.services.store
-        tenant = (await store.tenant_by_api_key(api_key)).id
+        tenant = server.services.tenants.tenant_for_key(api_key).id
         problems: list[str] = []
         cursor = None
         while True:
-            sessions, cursor = await store.list_sessions(tenant, limit=500, cursor=cursor)
-            for session in sessions:
+            summaries, cursor = await store.list_sessions(tenant, limit=500, cursor=cursor)
+            for summary in summaries:
+                # Listing hands out summaries; the token history comes with the session.
+                session = await store.get_session(tenant, summary.id)
+                if session is None:
+                    continue  # deleted since the listing
                 messages = await store.get_messages(tenant, session.id) or []
                 roles = [m.role for m in messages]
                 if roles[:1] == ["system"]:

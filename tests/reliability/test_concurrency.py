@@ -35,7 +35,7 @@ LONG_ANSWER = "Count from 1 to 200, one number per line."
 
 
 def _tenant_id(server, key: str) -> str:
-    return server.call(server.services.store.tenant_by_api_key(key)).id
+    return server.services.tenants.tenant_for_key(key).id
 
 
 def _wait_idle(server, tenant_id: str) -> None:

@@ -17,9 +17,7 @@ from dataclasses import replace
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -38,6 +36,7 @@ from tests.reliability.conftest import (
     start_server,
     unique,
 )
+from tests.reliability.fuzzing import operation_strategies, run_examples
 
 # Requests per (operation, mode); the total is asserted below. Override to fuzz longer.
 EXAMPLES = int(os.environ.get("CHATSVC_FUZZ_EXAMPLES", "130"))
@@ -75,54 +74,6 @@ def _key_for(path: str) -> str:
     return ADMIN_KEY if path.startswith("/admin") or path == "/metrics" else FUZZ_KEY
 
 
-def _strategies(schema, session_id: str, model: str):
-    """(label, operation, strategy) for every operation and mode, plus the session
-    operations aimed at a live session."""
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            strategy = operation.as_strategy(generation_mode=mode)
-            yield f"{operation.label} {mode.value}", operation, strategy
-            # Deleting the live session would turn every later aimed request into a 404.
-            if "{session_id}" in operation.path and operation.method.upper() != "DELETE":
-                aimed = operation.as_strategy(
-                    generation_mode=mode, path_parameters={"session_id": session_id}
-                )
-                yield f"{operation.label} {mode.value} live-session", operation, aimed
-            if operation.path == "/v1/chat/completions" and mode is GenerationMode.POSITIVE:
-                yield (
-                    f"{operation.label} served-model",
-                    operation,
-                    strategy.map(lambda case: _with_model(case, model)),
-                )
-
-
-def _with_model(case, model: str):
-    # A random model name only reaches the 404 branch; naming the served model
-    # lets valid bodies through to generation.
-    if isinstance(case.body, dict):
-        case.body = {**case.body, "model": model}
-    return case
-
-
-def _run_fuzz(strategy, call, examples: int) -> None:
-    """Send ``examples`` cases of ``strategy`` through ``call``; hypothesis shrinks a failure."""
-
-    @given(case=strategy)
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=list(HealthCheck),
-        derandomize=True,
-    )
-    def fuzz(case) -> None:
-        call(case)
-
-    fuzz()
-
-
 def test_schema_fuzz(fuzz_server):
     schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/schema/openapi.json")
     with client(fuzz_server, FUZZ_KEY) as http:
@@ -135,7 +86,7 @@ def test_schema_fuzz(fuzz_server):
     checks = [not_a_server_error, content_type_conformance, response_schema_conformance]
 
     with requests.Session() as session:
-        for label, operation, strategy in _strategies(schema, live_session, model):
+        for label, operation, strategy in operation_strategies(schema, live_session, model):
             headers = {"Authorization": f"Bearer {_key_for(operation.path)}"}
 
             def call(case, label=label, headers=headers) -> None:
@@ -151,7 +102,7 @@ def test_schema_fuzz(fuzz_server):
 
             # Every operation is fuzzed even after one fails, so a run reports them all.
             try:
-                _run_fuzz(strategy, call, EXAMPLES)
+                run_examples(strategy, call, EXAMPLES)
             except Unsatisfiable:
                 # Negative mode on an operation with nothing to violate (no
                 # constrained parameter, no body): there is no invalid request to send.

@@ -22,8 +22,9 @@ from tests.reliability.conftest import (
 
 
 def _prompt(http, *, shared: bool) -> dict:
-    body = {"name": unique("prompt"), "text": unique("You are terse."), "shared": shared}
-    response = http.post("/system-prompts", json=body)
+    """A private prompt of the caller, or (``http`` holding the admin key) a shared one."""
+    body = {"name": unique("prompt"), "text": unique("You are terse.")}
+    response = http.post("/admin/system-prompts" if shared else "/system-prompts", json=body)
     assert response.status_code == 201, response.text
     return response.json()
 
@@ -84,8 +85,8 @@ def test_foreign_ids_answer_like_unknown_ones(server, raw_redis, acme, globex, a
     assert acme.get(f"/sessions/{sid}/messages").json() == history
 
 
-def test_listings_show_own_and_shared_only(acme, globex, acme_private):
-    shared = _prompt(acme, shared=True)
+def test_listings_show_own_and_shared_only(acme, globex, admin, acme_private):
+    shared = _prompt(admin, shared=True)
     globex_session = new_session(globex)
 
     acme_sessions = {
@@ -150,11 +151,13 @@ def test_key_lookup_compares_in_constant_time(server, monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
-    store = server.services.store
-    tenant = server.call(store.tenant_by_api_key(GLOBEX_KEY))
+    tenants = server.services.tenants
+    tenant = tenants.tenant_for_key(GLOBEX_KEY)
     assert tenant is not None and tenant.name == "globex"
-    assert (tenant.api_key_hash, hash_api_key(GLOBEX_KEY)) in calls
-    assert server.call(store.tenant_by_api_key(GLOBEX_KEY + "x")) is None
+    # Every configured key's digest is compared with the caller's, each in constant time.
+    assert sorted(a for a, _ in calls) == sorted(hash_api_key(k) for k in TENANT_KEYS.values())
+    assert {b for _, b in calls} == {hash_api_key(GLOBEX_KEY)}
+    assert tenants.tenant_for_key(GLOBEX_KEY + "x") is None
 
     # The admin key goes through compare_digest as well, on the request path.
     calls.clear()

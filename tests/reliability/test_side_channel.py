@@ -83,9 +83,10 @@ def own_head_blocks(fmt, secret: str, decoy: str) -> int:
     return common // BLOCK_SIZE
 
 
-def ask(http: httpx.Client, model: str, messages: list[dict]) -> tuple[float, dict]:
-    """One max_tokens=1 completion: (client-side seconds, usage). The attacker's view."""
-    body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
+def ask(http: httpx.Client, model: str, messages: list[dict], **extension) -> tuple[float, dict]:
+    """One max_tokens=1 completion: (client-side seconds, usage). The attacker's view.
+    ``extension``: body fields beyond OpenAI's (``system_prompt_id``)."""
+    body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0, **extension}
     started = time.perf_counter()
     response = http.post("/v1/chat/completions", json=body)
     elapsed = time.perf_counter() - started
@@ -97,15 +98,17 @@ def cached(usage: dict) -> int:
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-def timed_pair(attacker, model, true_messages, decoy_messages, rng) -> dict[str, tuple]:
+def timed_pair(
+    attacker, model, true_messages, decoy_messages, rng, **true_extension
+) -> dict[str, tuple]:
     """The true guess and the decoy, sent in random order: {label: (seconds, usage)}."""
-    order = [("true", true_messages), ("decoy", decoy_messages)]
+    order = [("true", true_messages, true_extension), ("decoy", decoy_messages, {})]
     rng.shuffle(order)
-    return {label: ask(attacker, model, messages) for label, messages in order}
+    return {label: ask(attacker, model, messages, **ext) for label, messages, ext in order}
 
 
 def test_attacker_timing_cannot_tell_a_private_hit_and_a_shared_prompt_is_shared(
-    server, acme, globex
+    server, acme, globex, admin
 ):
     rng = random.Random(20250)
     words = single_token_words(server.services.engine.tokenizer)
@@ -143,22 +146,23 @@ def test_attacker_timing_cannot_tell_a_private_hit_and_a_shared_prompt_is_shared
     shared_hit, shared_miss, both_cached = [], [], []
     for i in range(SHARED_TRIALS):
         text, decoy = random_text(rng, words), random_text(rng, words)
-        created = acme.post(
-            "/system-prompts", json={"name": f"shared-{i}", "text": text, "shared": True}
-        )
+        # Shared prompts are the operator's; a request shares one only by naming it.
+        created = admin.post("/admin/system-prompts", json={"name": f"shared-{i}", "text": text})
         assert created.status_code == 201, created.text
+        shared_id = created.json()["id"]
         question = {"role": "user", "content": "Hi"}
-        ask(acme, model, [{"role": "system", "content": text}, question])
+        ask(acme, model, [question], system_prompt_id=shared_id)
         pair = timed_pair(
             globex,
             model,
-            [{"role": "system", "content": text}, dict(question)],
+            [dict(question)],
             [{"role": "system", "content": decoy}, dict(question)],
             rng,
+            system_prompt_id=shared_id,
         )
         (t_true, u_true), (t_decoy, u_decoy) = pair["true"], pair["decoy"]
         # And the other way round: the victim's next use hits the same public blocks.
-        _, victim_again = ask(acme, model, [{"role": "system", "content": text}, question])
+        _, victim_again = ask(acme, model, [question], system_prompt_id=shared_id)
         both_cached.append((cached(victim_again), cached(u_true), cached(u_decoy)))
         shared_hit.append(-t_true)
         shared_miss.append(-t_decoy)

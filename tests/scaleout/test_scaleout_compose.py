@@ -34,7 +34,10 @@ def _services(compose: dict, prefix: str) -> dict[str, dict]:
 
 def _env(service: dict) -> dict[str, str]:
     """The service's environment after compose's ${VAR:?msg} / ${VAR:-default} substitution."""
-    given = {"CHATSVC_API_KEYS": "acme:a-long-secret-key-01", "CHATSVC_ADMIN_KEY": "admin-key-123"}
+    given = {
+        "CHATSVC_API_KEYS": "acme:a-long-secret-key-01",
+        "CHATSVC_ADMIN_KEY": "admin-key-0000000123",
+    }
 
     def substitute(m: re.Match) -> str:
         name, op, default = m[1], m[2], m[3] or ""

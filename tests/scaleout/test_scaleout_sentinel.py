@@ -97,9 +97,15 @@ def _run(coro):
 
 async def _store_with_session(url: str, prefix: str):
     store = await Store.connect(url, prefix=prefix)
-    tenant = await store.create_tenant("t", f"tenant-key-{uuid.uuid4().hex}")
+    tenant = await store.ensure_tenant(f"t-{uuid.uuid4().hex[:8]}")
     session = await store.create_session(tenant.id, None, "Be brief.", [1, 2, 3], {})
     return store, tenant, session
+
+
+async def _append(store: Store, tenant, session, text: str) -> None:
+    # A turn as the service commits it: under the session's turn lock.
+    async with store.turn_lock(tenant.id, session.id) as lock:
+        await store.append_turn(tenant.id, session.id, *_turn(text), lock=lock)
 
 
 def _turn(text: str) -> tuple[MessageRecord, MessageRecord]:
@@ -116,7 +122,7 @@ def test_an_acknowledged_write_is_already_on_the_replica(topology):
         store, tenant, session = await _store_with_session(topology.sentinel_url(), prefix)
         try:
             for i in range(5):
-                await store.append_turn(tenant.id, session.id, *_turn(f"u{i}"))
+                await _append(store, tenant, session, f"u{i}")
                 # No wait on our side: WAIT made the primary answer only once the
                 # replica held the transaction.
                 with topology.replica().client() as replica:
@@ -139,18 +145,18 @@ def test_a_write_no_replica_confirms_is_not_acknowledged(topology):
         replica.pause()
         try:
             with pytest.raises(UnconfirmedWriteError, match="0 of 1 replica"):
-                await store.append_turn(tenant.id, session.id, *_turn("unconfirmed"))
+                await _append(store, tenant, session, "unconfirmed")
             # It is a StoreUnavailableError: the API answers 503, the client retries.
             assert issubclass(UnconfirmedWriteError, StoreUnavailableError)
             # Reads (a MULTI of GET and LRANGE included) have nothing to wait for.
             assert [m.text for m in await store.get_messages(tenant.id, session.id)][-1] == "ok"
             assert await store.get_session(tenant.id, session.id) is not None
             # wait_replicas=0 trades that guarantee for writes that go on regardless.
-            await unwaiting.append_turn(tenant.id, session.id, *_turn("unwaited"))
+            await _append(unwaiting, tenant, session, "unwaited")
         finally:
             replica.resume()
         topology.wait_healthy(topology.primary_port())
-        await store.append_turn(tenant.id, session.id, *_turn("confirmed"))
+        await _append(store, tenant, session, "confirmed")
         texts = [m.text for m in await store.get_messages(tenant.id, session.id)]
         await store.close()
         await unwaiting.close()
@@ -261,7 +267,7 @@ def test_the_service_rides_a_primary_failover_without_losing_an_acknowledged_tur
         async def check():
             store = await Store.connect(topo.sentinel_url(), prefix=settings.key_prefix)
             try:
-                tenant = await store.tenant_by_api_key(KEY)
+                tenant = await store.tenant_by_name("acme")
                 return [await verify(store, tenant.id, log) for log in logs]
             finally:
                 await store.close()

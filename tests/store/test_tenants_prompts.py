@@ -1,60 +1,62 @@
+"""Tenants by name, private system prompts, shared ones the operator publishes, caps, delete."""
+
 from __future__ import annotations
 
-import hashlib
+import asyncio
 
 import pytest
 
 from chatsvc.store import NotFoundError, Store
+from chatsvc.store.errors import LimitExceededError
+from tests.store.helpers import append, new_tenant, turn
 
 pytestmark = pytest.mark.anyio
 
-KEY_A = "sk-a-0123456789abcdef"
-KEY_B = "sk-b-0123456789abcdef"
+
+async def _keyspace(raw, prefix: str) -> list[bytes]:
+    return sorted([k async for k in raw.scan_iter(match=f"{prefix}:*")])
 
 
-async def test_tenant_lookup_by_api_key_and_key_stored_hashed(store: Store, raw, prefix):
-    tenant = await store.create_tenant("acme", KEY_A)
-    assert len(tenant.cache_salt) == 32
-    assert tenant.api_key_hash == hashlib.sha256(KEY_A.encode()).hexdigest()
-
-    found = await store.tenant_by_api_key(KEY_A)
-    assert found == tenant
-    assert await store.tenant_by_api_key(KEY_A + "x") is None
-    assert await store.tenant_by_api_key("") is None
-    assert await store.get_tenant(tenant.id) == tenant
-
-    # The plain key appears nowhere in Redis.
-    async for key in raw.scan_iter(match=f"{prefix}:*"):
-        assert KEY_A.encode() not in key
-        if await raw.type(key) == b"string":
-            assert KEY_A.encode() not in await raw.get(key)
+async def test_a_name_is_one_tenant_for_good(store: Store):
+    acme = await store.ensure_tenant("acme")
+    assert len(acme.cache_salt) == 32 and acme.name == "acme"
+    assert await store.ensure_tenant("acme") == acme
+    assert await store.tenant_by_name("acme") == acme
+    assert await store.get_tenant(acme.id) == acme
+    assert await store.tenant_by_name("nobody") is None
+    other = await store.ensure_tenant("globex")
+    assert other.id != acme.id and other.cache_salt != acme.cache_salt
 
 
-async def test_each_tenant_gets_its_own_salt(store: Store):
-    a = await store.create_tenant("a", KEY_A)
-    b = await store.create_tenant("b", KEY_B)
-    assert a.id != b.id and a.cache_salt != b.cache_salt
+async def test_replicas_ensuring_one_name_together_agree_on_one_tenant(redis_server, prefix, raw):
+    # Separate connections, as separate replicas starting at once would have.
+    stores = [await Store.connect(redis_server.url, prefix=prefix) for _ in range(8)]
+    try:
+        tenants = await asyncio.gather(*(s.ensure_tenant("acme") for s in stores))
+    finally:
+        for s in stores:
+            await s.close()
+    assert len({t.id for t in tenants}) == 1 and len({t.cache_salt for t in tenants}) == 1
+    records = [k async for k in raw.scan_iter(match=f"{prefix}:tenant:*", _type="string")]
+    assert records == [f"{prefix}:tenant:{tenants[0].id}".encode()]
 
 
-async def test_duplicate_or_weak_api_key_is_refused_without_writes(store: Store, raw, prefix):
-    await store.create_tenant("a", KEY_A)
-    before = sorted([k async for k in raw.scan_iter(match=f"{prefix}:*")])
-    with pytest.raises(ValueError, match="already registered"):
-        await store.create_tenant("again", KEY_A)
-    with pytest.raises(ValueError, match="at least"):
-        await store.create_tenant("weak", "short")
-    with pytest.raises(ValueError, match="empty"):
-        await store.create_tenant("  ", KEY_B)
-    assert sorted([k async for k in raw.scan_iter(match=f"{prefix}:*")]) == before
-    assert (await store.tenant_by_api_key(KEY_A)).name == "a"
+async def test_bad_tenant_names_are_refused_without_writes(store: Store, raw, prefix):
+    before = await _keyspace(raw, prefix)
+    for name in ("", "   ", "x" * 201):
+        with pytest.raises(ValueError):
+            await store.ensure_tenant(name)
+    assert await _keyspace(raw, prefix) == before
 
 
-async def test_system_prompts_private_and_shared(store: Store):
-    a = await store.create_tenant("a", KEY_A)
-    b = await store.create_tenant("b", KEY_B)
-    private = await store.create_system_prompt(a.id, "pirate", "Talk like a pirate.", [1, 2], False)
-    shared = await store.create_system_prompt(a.id, "helpful", "Be helpful.", [3, 4, 5], True)
+async def test_private_prompts_are_the_owners_and_shared_ones_everyones(store: Store):
+    a = await new_tenant(store, "a")
+    b = await new_tenant(store, "b")
+    private = await store.create_system_prompt(a.id, "pirate", "Talk like a pirate.", [1, 2])
+    shared = await store.create_shared_prompt("helpful", "Be helpful.", [3, 4, 5])
     own_b = await store.create_system_prompt(b.id, "terse", "Be terse.", [6], False)
+    assert (private.tenant_id, private.shared) == (a.id, False)
+    assert (shared.tenant_id, shared.shared) == (None, True)
 
     assert await store.get_system_prompt(a.id, private.id) == private
     assert await store.get_system_prompt(b.id, private.id) is None
@@ -63,16 +65,91 @@ async def test_system_prompts_private_and_shared(store: Store):
 
     assert [p.id for p in await store.list_system_prompts(a.id)] == [private.id, shared.id]
     assert [p.id for p in await store.list_system_prompts(b.id)] == [shared.id, own_b.id]
+    assert [p.id for p in await store.list_shared_prompts()] == [shared.id]
 
 
-async def test_system_prompt_input_is_checked(store: Store):
-    a = await store.create_tenant("a", KEY_A)
+async def test_a_tenant_cannot_create_a_shared_prompt(store: Store, raw, prefix):
+    a = await new_tenant(store)
+    before = await _keyspace(raw, prefix)
+    with pytest.raises(ValueError, match="cannot be shared"):
+        await store.create_system_prompt(a.id, "mine", "Be kind.", [1], True)
+    assert await _keyspace(raw, prefix) == before
+    assert await store.list_shared_prompts() == []
+
+
+async def test_system_prompt_input_is_checked(store: Store, raw, prefix):
+    a = await new_tenant(store)
+    before = await _keyspace(raw, prefix)
     with pytest.raises(ValueError, match="non-negative"):
         await store.create_system_prompt(a.id, "x", "text", [1, -2], False)
     with pytest.raises(TypeError, match="shared"):
         await store.create_system_prompt(a.id, "x", "text", [1], "yes")
     with pytest.raises(NotFoundError):
         await store.create_system_prompt("0" * 32, "x", "text", [1], False)
+    with pytest.raises(ValueError, match="empty"):
+        await store.create_shared_prompt("x", " ", [1])
     with pytest.raises(ValueError, match="malformed"):
         await store.get_system_prompt(a.id, "../etc")
+    with pytest.raises(ValueError, match="malformed"):
+        await store.delete_system_prompt(a.id, "../etc")
     assert await store.list_system_prompts(a.id) == []
+    assert await _keyspace(raw, prefix) == before
+
+
+async def test_caps_hold_under_racing_creates(store: Store, raw, prefix):
+    a = await new_tenant(store)
+    creates = (store.create_system_prompt(a.id, f"p{i}", f"P{i}.", [i], limit=3) for i in range(8))
+    results = await asyncio.gather(*creates, return_exceptions=True)
+    assert sum(not isinstance(r, BaseException) for r in results) == 3
+    assert all(isinstance(r, LimitExceededError) for r in results if isinstance(r, BaseException))
+    assert len(await store.list_system_prompts(a.id)) == 3
+    # Nothing of the refused ones was written.
+    assert len([k async for k in raw.scan_iter(match=f"{prefix}:prompt:*")]) == 3
+
+    shared = await asyncio.gather(
+        *(store.create_shared_prompt(f"s{i}", f"Shared {i}.", [i], limit=2) for i in range(5)),
+        return_exceptions=True,
+    )
+    assert sum(not isinstance(r, BaseException) for r in shared) == 2
+    assert len(await store.list_shared_prompts()) == 2
+    # Deleting frees room under the cap again.
+    own = await store.list_system_prompts(a.id)
+    private = [p for p in own if not p.shared]
+    assert await store.delete_system_prompt(a.id, private[0].id)
+    await store.create_system_prompt(a.id, "again", "Again.", [9], limit=3)
+
+
+async def test_delete_is_the_owners_and_shared_ones_the_operators(store: Store, raw, prefix):
+    a = await new_tenant(store, "a")
+    b = await new_tenant(store, "b")
+    mine = await store.create_system_prompt(a.id, "mine", "Mine.", [1])
+    shared = await store.create_shared_prompt("all", "For all.", [2])
+
+    before = await _keyspace(raw, prefix)
+    assert not await store.delete_system_prompt(b.id, mine.id)  # another tenant's
+    assert not await store.delete_system_prompt(a.id, shared.id)  # a tenant cannot withdraw
+    assert not await store.delete_shared_prompt(mine.id)  # not a shared one
+    assert not await store.delete_system_prompt(a.id, "0" * 32)  # unknown
+    assert await _keyspace(raw, prefix) == before
+
+    assert await store.delete_system_prompt(a.id, mine.id)
+    assert await store.get_system_prompt(a.id, mine.id) is None
+    assert not await store.delete_system_prompt(a.id, mine.id)
+    assert await store.delete_shared_prompt(shared.id)
+    assert await store.list_system_prompts(a.id) == []
+    assert await store.list_shared_prompts() == []
+    assert [k async for k in raw.scan_iter(match=f"{prefix}:prompt:*")] == []
+
+
+async def test_a_session_outlives_the_prompt_it_started_on(store: Store):
+    a = await new_tenant(store)
+    prompt = await store.create_system_prompt(a.id, "p", "Be brief.", [5, 6])
+    session = await store.create_session(a.id, prompt.id, prompt.text, prompt.token_ids, {})
+    assert await store.delete_system_prompt(a.id, prompt.id)
+
+    user, assistant = turn(1)
+    updated = await append(store, a.id, session.id, user, assistant)
+    assert updated.token_ids == [5, 6, *user.token_ids, *assistant.token_ids]
+    messages = await store.get_messages(a.id, session.id)
+    assert [(m.role, m.text) for m in messages][0] == ("system", "Be brief.")
+    assert len(messages) == 3

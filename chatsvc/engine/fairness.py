@@ -1,0 +1,76 @@
+"""Fair admission between tenants: whose waiting sequence joins the batch next.
+
+One tenant's long queue must not keep another tenant out. The scheduler ranks
+its waiting sequences as before (preempted, aged, longest cached prefix);
+``FairQueue`` then hands them out tenant by tenant: the next candidate is the
+first one of the tenant that holds the fewest sequence slots. A tenant is thus
+admitted while another one waits only if it holds no more slots than that one,
+and a lone tenant still gets every slot (nothing is held back).
+
+A slot is one running sequence; a request with ``n`` samples holds ``n`` from its
+admission on, because its children fork from it once its prompt is computed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from chatsvc.engine.sequence import Sequence
+
+
+def tenant_of(seq: Sequence) -> str:
+    """Whose sequence this is: the request's tenant label, else its cache namespace's
+    label (both are the tenant id where the API builds requests)."""
+    return seq.request.labels.get("tenant") or seq.request.namespace.label
+
+
+def slots_of(seq: Sequence) -> int:
+    """Sequence slots ``seq`` takes: a first sample whose prompt is not computed yet
+    will fork into ``n`` samples, so it counts as all of them."""
+    if seq.sample_index == 0 and not seq.output_token_ids:
+        return seq.request.sampling.n
+    return 1
+
+
+class FairQueue:
+    """One step's admission candidates, grouped by tenant and handed out fairly.
+
+    ``candidates`` are (sequence, may_defer) in the scheduler's order, which is kept
+    within each tenant. ``pop`` removes and returns the next candidate; ``admit``
+    charges its tenant once it joined the running sequences (a deferred or refused
+    candidate is not charged).
+    """
+
+    def __init__(
+        self, candidates: Iterable[tuple[Sequence, bool]], running: Iterable[Sequence]
+    ) -> None:
+        self.loads: dict[str, int] = {}
+        for seq in running:
+            tenant = tenant_of(seq)
+            self.loads[tenant] = self.loads.get(tenant, 0) + slots_of(seq)
+        self.num_slots = sum(self.loads.values())
+        # tenant -> its candidates as (position in the scheduler's order, seq, may_defer)
+        self._queues: dict[str, deque[tuple[int, Sequence, bool]]] = {}
+        for position, (seq, may_defer) in enumerate(candidates):
+            self._queues.setdefault(tenant_of(seq), deque()).append((position, seq, may_defer))
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def pop(self) -> tuple[Sequence, bool]:
+        """The next candidate: of the tenant holding the fewest slots; on a tie, of the
+        tenant whose candidate comes first in the scheduler's order."""
+        queues = self._queues
+        tenant = min(queues, key=lambda t: (self.loads.get(t, 0), queues[t][0][0]))
+        _, seq, may_defer = queues[tenant].popleft()
+        if not queues[tenant]:
+            del queues[tenant]
+        return seq, may_defer
+
+    def admit(self, seq: Sequence) -> None:
+        """Charge ``seq``'s tenant for the slots it now holds."""
+        tenant = tenant_of(seq)
+        cost = slots_of(seq)
+        self.loads[tenant] = self.loads.get(tenant, 0) + cost
+        self.num_slots += cost
