@@ -21,6 +21,8 @@ ENV_PREFIX = "CHATSVC_"
 LOCAL_TENANT = "local"
 # The store's key names allow only these characters.
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# A replica id is a metrics label value and a log field: short and plain.
+_REPLICA_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 # Names a local-mode server answers to by default (any port): a page that
 # rebinds its own DNS name to 127.0.0.1 still sends its own name as Host.
 LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]")
@@ -87,6 +89,8 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     # Opt-in debugging aid: log prompt and completion text (off: lengths only).
     log_text: bool = False
+    # The ``replica`` label of this process's metrics; None = "<hostname>:<port>".
+    replica_id: str | None = None
     # None = EngineConfig.from_env() at start-up; tests pass a small config.
     engine: Any = None
 
@@ -140,6 +144,10 @@ class Settings:
         if self.admin_key is not None and self.admin_key in keys:
             raise SettingsError("the admin key must differ from every tenant key")
         self.limits.validate()
+        if self.replica_id is not None and not _REPLICA_RE.match(self.replica_id):
+            raise SettingsError(
+                f"replica id must be 1-64 of [A-Za-z0-9_.:-], got {self.replica_id!r}"
+            )
         for name in self.allowed_hosts:
             if name != "*" and not is_valid_host_name(normalize_host_name(name)):
                 raise SettingsError(
@@ -192,6 +200,7 @@ class Settings:
             allowed_hosts=_parse_list(get("ALLOWED_HOSTS")),
             limits=limits,
             log_text=_parse_bool(ENV_PREFIX + "LOG_TEXT", get("LOG_TEXT")),
+            replica_id=get("REPLICA_ID"),
         ).validate()
 
 

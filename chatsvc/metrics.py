@@ -7,11 +7,16 @@ rate(chatsvc_prefix_cache_queries_tokens_total[5m])`` is the hit rate over a
 window (the convention of vLLM's metrics) and ``{tier="disk"}`` its disk part.
 KV occupancy and tier traffic are sampled from the engine at scrape time
 rather than pushed on every step (``chatsvc.kv_metrics``).
+
+Every sample carries a ``replica`` label (``CHATSVC_REPLICA_ID``, default
+``<hostname>:<port>``), so a fleet's series stay apart however they are
+scraped or federated; docs/scale-out.md has the fleet's PromQL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -22,6 +27,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -29,10 +35,35 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def replica_label(settings: Any) -> str:
+    """This process's ``replica`` label: the configured id, else ``<hostname>:<port>``."""
+    if settings.replica_id is not None:
+        return settings.replica_id
+    return f"{socket.gethostname()}:{settings.port}"
+
+
+class _WithReplica:
+    """A view of a registry whose every sample also carries ``replica="<id>"``."""
+
+    def __init__(self, registry: CollectorRegistry, replica: str) -> None:
+        self._registry = registry
+        self._replica = replica
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._registry.collect():
+            relabeled = Metric(family.name, family.documentation, family.type, family.unit)
+            relabeled.samples = [
+                sample._replace(labels={**sample.labels, "replica": self._replica})
+                for sample in family.samples
+            ]
+            yield relabeled
+
+
 class Metrics:
     """The service's collectors. One instance per app, so tests never share counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: str | None = None) -> None:
+        self.replica = replica
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.cache_queries = Counter(
@@ -85,6 +116,28 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        # Session turns whose prompt extends a stored history (chatsvc/affinity.py).
+        self.history_turns = Counter(
+            "chatsvc_history_turns",
+            "Stored session turns that extended a stored history",
+            registry=r,
+        )
+        self.affinity_misses = Counter(
+            "chatsvc_affinity_misses",
+            "History turns that recomputed history this replica never computed",
+            registry=r,
+        )
+        self.history_evictions = Counter(
+            "chatsvc_history_evictions",
+            "History turns that recomputed history this replica computed, then evicted",
+            registry=r,
+        )
+        self.history_recomputed_tokens = Counter(
+            "chatsvc_history_recomputed_tokens",
+            "Stored-history tokens recomputed, by cause (affinity_miss, evicted)",
+            ["cause"],
+            registry=r,
+        )
         self._tiers: Callable[[], dict[str, tuple[int, int]]] | None = None
 
     def sample_tiers_with(self, tiers: Callable[[], dict[str, tuple[int, int]]]) -> None:
@@ -124,13 +177,25 @@ class Metrics:
     def observe_failure(self, endpoint: str, status: str) -> None:
         self.requests.labels(endpoint=endpoint, status=status).inc()
 
+    def observe_history_turn(self, kind: str, recomputed_tokens: int) -> None:
+        """Count a history turn by its verdict: resident, evicted or affinity_miss."""
+        self.history_turns.inc()
+        if kind == "affinity_miss":
+            self.affinity_misses.inc()
+        elif kind == "evicted":
+            self.history_evictions.inc()
+        if kind != "resident":
+            self.history_recomputed_tokens.labels(cause=kind).inc(recomputed_tokens)
+
     def render(self) -> bytes:
         if self._tiers is not None:
             for tier, (used, total) in self._tiers().items():
                 self.kv_blocks_used.labels(tier=tier).set(used)
                 self.kv_blocks_total.labels(tier=tier).set(total)
                 self.kv_usage.labels(tier=tier).set(used / total if total else 0.0)
-        return generate_latest(self.registry)
+        if self.replica is None:
+            return generate_latest(self.registry)
+        return generate_latest(_WithReplica(self.registry, self.replica))
 
 
 class UsageStats:

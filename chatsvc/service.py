@@ -16,8 +16,9 @@ from typing import Any
 
 import anyio
 
+from chatsvc.affinity import AffinityTracker
 from chatsvc.config import LOCAL_TENANT, Settings
-from chatsvc.metrics import Metrics, UsageStats
+from chatsvc.metrics import Metrics, UsageStats, replica_label
 from chatsvc.store import Store
 from chatsvc.tenants import TenantDirectory
 
@@ -57,6 +58,7 @@ class Services:
     engine: Any  # chatsvc.engine.AsyncEngine (kept untyped: importing it loads torch)
     metrics: Metrics = field(default_factory=Metrics)
     usage: UsageStats = field(default_factory=UsageStats)
+    affinity: AffinityTracker = field(default_factory=AffinityTracker)
     tenants: TenantDirectory = field(default_factory=TenantDirectory)
     streams: StreamLimiter | None = None
     engine_started: bool = False
@@ -66,6 +68,8 @@ class Services:
     def __post_init__(self) -> None:
         if self.streams is None:
             self.streams = StreamLimiter(self.settings.limits.max_streams_per_tenant)
+        if self.metrics.replica is None:
+            self.metrics.replica = replica_label(self.settings)
 
 
 async def bootstrap_tenants(store: Store, settings: Settings) -> TenantDirectory:

@@ -37,8 +37,10 @@ class AdminController(Controller):
     async def cache(self, services: ServicesDep) -> dict[str, Any]:
         """The engine's cache view (block hit rates, reuse histogram, tier occupancy,
         evictions, swaps) under ``engine``, prompt-token usage aggregated by tenant
-        and by system prompt under ``requests``, and ``integrity``: "ok" when the
-        cache's bookkeeping invariants hold, else the broken invariant."""
+        and by system prompt under ``requests``, ``integrity``: "ok" when the
+        cache's bookkeeping invariants hold, else the broken invariant, and this
+        replica's id with its history turns and affinity misses under ``affinity``
+        (definitions in chatsvc/affinity.py)."""
         # Both wait for the engine thread to finish its current step, so they see
         # the same consistent state between steps.
         from chatsvc.engine.errors import EngineStoppedError
@@ -48,7 +50,13 @@ class AdminController(Controller):
             integrity = await anyio.to_thread.run_sync(_integrity, services.engine)
         except EngineStoppedError as exc:  # a dead engine has no cache to report
             raise ServiceUnavailableError(f"the engine is not running: {exc}") from None
-        return {"engine": engine, "requests": services.usage.snapshot(), "integrity": integrity}
+        return {
+            "engine": engine,
+            "requests": services.usage.snapshot(),
+            "integrity": integrity,
+            "replica": services.metrics.replica,
+            "affinity": services.affinity.snapshot(),
+        }
 
     @get(
         "/metrics",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from chatsvc import affinity
 from chatsvc.api import generation as gen
 from chatsvc.api.errors import ConflictError, NotFoundError, ServiceUnavailableError
 from chatsvc.api.schemas import MessageView, PostMessage, Timings, TurnResult, Usage
@@ -186,6 +187,7 @@ async def run_turn(
             text_for_log(sample.text),
         )
         gen.record_finished(services, "session_turn", turn.request.labels, [sample])
+        affinity.record_turn(services, turn, m, len(sample.token_ids))
         yield result
     finally:
         await hold.release()

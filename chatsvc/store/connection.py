@@ -18,6 +18,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from chatsvc.store.errors import StoreUnavailableError
+from chatsvc.store.sentinel import is_sentinel_url, sentinel_client
 
 # Failures that mean "the server is not there or not answering", as opposed to
 # a command error (wrong type, script error) that is a bug and should surface.
@@ -45,8 +46,7 @@ def make_client(
         raise ValueError("redis url must be a non-empty string")
     if socket_timeout_s <= 0:
         raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
-    pool = aredis.ConnectionPool.from_url(
-        url,
+    options = dict(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
@@ -54,6 +54,9 @@ def make_client(
         health_check_interval=0,
         client_name=client_name,
     )
+    if is_sentinel_url(url):  # the primary that Sentinel names (chatsvc/store/sentinel.py)
+        return sentinel_client(url, **options)
+    pool = aredis.ConnectionPool.from_url(url, **options)
     if pool.connection_class is UnixDomainSocketConnection:
         pool.connection_class = _UnixConnection
     return aredis.Redis.from_pool(pool)

@@ -9,10 +9,12 @@ from tests.api.conftest import new_session, say, unique
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Samples by (name, labels); the ``replica`` label every sample carries is left out."""
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    assert all(s.labels.get("replica") for s in samples)
     return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "replica"))): s.value
+        for s in samples
     }
 
 
