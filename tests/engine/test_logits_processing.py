@@ -159,3 +159,29 @@ def test_stop_strings_wait_for_min_tokens():
     assert early.stopped_by == "bc" and text + early.flush() == "bc"
     plain = IncrementalDetokenizer(Chars(), [], stop=("bc",))
     assert "".join(plain.add_token(t) for t in tokens) == "" and plain.stopped_by == "bc"
+
+
+def test_token_bytes_are_exact_even_for_part_of_a_character(smollm2_fp32):
+    from chatsvc.engine.token_text import TokenTexts
+
+    tokenizer = smollm2_fp32.tokenizer
+    texts = TokenTexts(tokenizer)
+    text = "Tokyo is 東京 — ünïcode <|im_end|>"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert b"".join(bytes(texts.bytes(i)) for i in ids).decode() == text
+    assert any("\ufffd" in texts.text(i) for i in ids)  # a CJK character split in two
+    assert texts.text(tokenizer.convert_tokens_to_ids("<|im_end|>")) == "<|im_end|>"
+
+
+def test_forward_batch_lists_the_logits_rows_asked_for():
+    from chatsvc.engine.forward_batch import ForwardBatch
+
+    batch = ForwardBatch.from_lists(
+        [[1, 2, 3], [4], [5, 6]], [0, 7, 2], [[0, 1, 2], [7], [10, 11]], [[0], [1, 2], [3]], 8,
+        num_logits=[3, 1, 1],
+    )  # fmt: skip
+    assert batch.logits_indices.tolist() == [0, 1, 2, 3, 5]
+    default = ForwardBatch.from_lists([[1, 2, 3], [4]], [0, 7], [[0, 1, 2], [7]], [[0], [1, 2]], 8)
+    assert default.logits_indices.tolist() == [2, 3]
+    with pytest.raises(ValueError, match="num_logits"):
+        ForwardBatch.from_lists([[1]], [0], [[0]], [[0]], 8, num_logits=[2])
