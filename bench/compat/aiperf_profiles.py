@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for profile in profiles:
             out = args.out / profile
             argv = aiperf_argv(profile, url, model, model_dir, args, out)
-            run(argv, args.out / f"{profile}.log", aiperf_env())
+            run(argv, args.out / f"{profile}-aiperf.log", aiperf_env())
             results[profile] = summary(out)
     text = report(results)
     (args.out / "report.md").write_text(text + "\n")

@@ -188,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or default_model_dir()
     args.out.mkdir(parents=True, exist_ok=True)
     for name in [n for n in names if n.startswith("hf")]:
-        run(lm_eval_argv(name, model_dir, args, None, None), args.out / f"{name}.log")
+        run(lm_eval_argv(name, model_dir, args, None, None), args.out / f"{name}-lm_eval.log")
     ours = [n for n in names if n.startswith("ours")]
     if ours:
         with our_server(model_dir, args.out, dtype="fp32") as server:
             for name in ours:
                 argv = lm_eval_argv(name, model_dir, args, server.base_url, server.model)
-                run(argv, args.out / f"{name}.log", offline_env())
+                run(argv, args.out / f"{name}-lm_eval.log", offline_env())
     text = report(args.out, names)
     (args.out / "report.md").write_text(text + "\n")
     print(text)
