@@ -101,6 +101,8 @@ def summary(out: Path) -> dict[str, float | None]:
                 figures[tag] = entry.get("avg")
         else:
             figures[tag] = entry
+    if figures.get("error_request_count") is None and figures.get("request_count"):
+        figures["error_request_count"] = 0  # AIPerf lists the metric only when there are errors
     return figures
 
 
