@@ -28,6 +28,7 @@ import torch
 
 from bench.model_step import interleaved_medians
 from kernels import native
+from kernels.attention_inputs import AttentionInputs
 from kernels.cpu_attention import paged_attention_native
 from kernels.extend_attention import paged_extend_attention_torch
 from kernels.extend_metadata import extend_metadata
@@ -78,17 +79,19 @@ def case_fns(
     seqs = torch.arange(batch, dtype=torch.int32)
     out = torch.empty_like(query)
 
+    def layer(index: int) -> AttentionInputs:
+        k, v = pool[:, index, 0], pool[:, index, 1]
+        return AttentionInputs(query, k, v, tables, starts, lens, scale)
+
     def torch_path() -> torch.Tensor:
-        for layer in range(LAYERS):
-            k, v = pool[:, layer, 0], pool[:, layer, 1]
-            result = paged_extend_attention_torch(query, k, v, tables, starts, lens, scale, groups)
+        for index in range(LAYERS):
+            result = paged_extend_attention_torch(layer(index), groups)
         return result  # the last layer's, to check the two paths agree
 
     def native_path(lib=None):
         def run() -> torch.Tensor:
-            for layer in range(LAYERS):
-                k, v = pool[:, layer, 0], pool[:, layer, 1]
-                paged_attention_native(query, k, v, tables, starts, lens, scale, seqs, out, lib)
+            for index in range(LAYERS):
+                paged_attention_native(layer(index), seqs, out, lib)
             return out
 
         return run

@@ -19,14 +19,8 @@ from collections.abc import Callable
 import torch
 
 from bench.model_step import interleaved_medians
-from chatsvc.engine.layers import (
-    packed_linear,
-    packed_linear_add,
-    prepack,
-    tile_linear,
-    tile_linear_add,
-)
-from kernels.tile_linear import pack_tile_weight, tile_linear_available
+from chatsvc.engine.linear import LINEARS
+from kernels.tile_linear import tile_linear_available
 
 LAYERS = 30
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 576 + 2 * 192
@@ -45,7 +39,11 @@ def layout_fns(rows: int, seed: int = 0) -> dict[str, Callable[[], torch.Tensor]
     inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k, _ in MATRICES}
     residual = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
 
-    def run(weights, mm, mm_add) -> Callable[[], torch.Tensor]:
+    def run(layout: str) -> Callable[[], torch.Tensor]:
+        linears = LINEARS[layout]
+        mm, mm_add = linears.linear, linears.linear_add
+        weights = [[linears.pack(w) for w in layer] for layer in plain]
+
         def step() -> torch.Tensor:
             for layer in weights:
                 for (_, k, adds), w in zip(MATRICES, layer, strict=True):
@@ -54,11 +52,9 @@ def layout_fns(rows: int, seed: int = 0) -> dict[str, Callable[[], torch.Tensor]
 
         return step
 
-    fns = {"onednn": run([[prepack(w) for w in layer] for layer in plain], packed_linear,
-                         packed_linear_add)}  # fmt: skip
+    fns = {"onednn": run("onednn")}
     if tile_linear_available("cpu", torch.bfloat16):
-        tiles = [[pack_tile_weight(w) for w in layer] for layer in plain]
-        fns["tiles"] = run(tiles, tile_linear, tile_linear_add)
+        fns["tiles"] = run("tiles")
     return fns
 
 

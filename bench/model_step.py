@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from chatsvc.engine.forward_batch import ForwardBatch
-from chatsvc.engine.layers import can_prepack
+from chatsvc.engine.linear import can_prepack
 from chatsvc.engine.loader import LoadedModel, load_model
 from kernels.backend import ENV_VAR
 from kernels.kv_layout import new_kv_pool
@@ -37,7 +37,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], steps: int) -> dic
 
     Every other round runs them in reverse order: a function run right after another
     that read the same memory finds part of it in the last-level cache (a one-build
-    A/B showed the second ~5 % faster), so a fixed order would favour the later ones.
+    A/B showed the second one faster), so a fixed order would favour the later ones.
     """
     for fn in fns.values():
         fn()
@@ -72,20 +72,6 @@ def ours_decode(loaded: LoadedModel, batch: int, context: int) -> Callable[[], o
     step_slots = [slots(b, context, context + 1) for b in range(batch)]
     step = ForwardBatch.from_lists([[7]] * batch, [context] * batch, step_slots, tables, bs)
     return lambda: model.forward(step, pool)
-
-
-def checked_kernels(model, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with every layer calling the public kernel functions, which check their
-    arguments and pick the backend per call (``kernels.step_kernels``: the old way)."""
-
-    def run() -> object:
-        model.bind_step_kernels = False
-        try:
-            return fn()
-        finally:
-            model.bind_step_kernels = True
-
-    return run
 
 
 def with_backend(backend: str, fn: Callable[[], object]) -> Callable[[], object]:
@@ -181,12 +167,6 @@ def main() -> None:
         help="also time the prepacked decode and prefill on the torch kernel path "
         "(CHATSVC_KERNEL_BACKEND=torch) beside the default (native on CPU)",
     )
-    parser.add_argument(
-        "--compare-checked",
-        action="store_true",
-        help="also time the prepacked decode with every layer calling the public, "
-        "per-call-checked kernel functions instead of the step's bound kernels",
-    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -216,8 +196,6 @@ def main() -> None:
         }
         if onednn is not None:
             fns["onednn"] = ours_decode(onednn, batch, args.context)
-        if args.compare_checked:
-            fns["checked-kernels"] = checked_kernels(packed.model, fns["prepacked"])
         if args.compare_backends:
             fns["prepacked-torch-kernels"] = with_backend("torch", fns["prepacked"])
         for n in (int(t) for t in args.thread_sweep.split(",") if t):

@@ -118,10 +118,11 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         await engine.start()
         core = engine.engine
         log.info(
-            "engine ready: %s, %s, kernels %s, %d KV blocks of %d tokens",
+            "engine ready: %s, %s, kernels %s%s, %d KV blocks of %d tokens",
             core.model_name,
             core.model.dtype,
             core.kernel_backend,
+            _kernel_library_note(core.kernel_backend),
             core.num_gpu_blocks,
             core.config.block_size,
         )
@@ -134,6 +135,16 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         )
         yield services
         services.engine_started = False
+
+
+def _kernel_library_note(backend: str) -> str:
+    # Which compiled library runs inside the service: its hash, for an operator to check.
+    if backend != "native":
+        return ""
+    from kernels import native
+
+    digest = native.library_sha256()
+    return f" (library sha256 {digest})" if digest else ""
 
 
 def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:

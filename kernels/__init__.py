@@ -1,4 +1,9 @@
-"""Paged-attention and KV-cache kernels: Triton on CUDA, torch reference on CPU.
+"""Paged-attention and KV-cache kernels: Triton on CUDA, C loops or the torch reference on CPU.
+
+A forward step binds its kernels once, for all of its layers, through
+``kernels.step.bind_step`` (which backend and which kernel runs is decided in
+``kernels.backend``). The per-op functions below decide through the same
+``kernels.backend``, call by call; tests and the torch references use them.
 
 Public API (signatures fixed in docs/contracts.md)::
 
@@ -31,9 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import resolve_backend
+from kernels.attention_inputs import AttentionInputs
+from kernels.backend import KernelChoice, choose_kernels, resolve_backend
 from kernels.copy_blocks import check_copy_blocks, copy_blocks_torch, copy_blocks_triton
-from kernels.cpu_attention import native_supports, paged_extend_attention_native
+from kernels.cpu_attention import paged_extend_attention_native
 from kernels.decode_attention import (
     check_decode,
     paged_decode_attention_torch,
@@ -113,29 +119,19 @@ def paged_decode_attention(
     written); returns ``[B, H_q, D]`` in the query's dtype. ``partition_size``
     forces the Triton split-context path (tokens per program). ``metadata``
     (``kernels.extend_metadata.extend_metadata`` of the same tables and lengths,
-    one new token per sequence) spares the torch path rebuilding gather ids and
-    masks per layer; Triton ignores it.
+    one new token per sequence) spares the CPU paths rebuilding gather ids and
+    masks per layer; Triton ignores it. On the CPU a decode runs the extend kernels
+    with one new token per sequence (``AttentionInputs.one_token_each``).
     """
-    check_decode(query, k_cache, v_cache, block_tables, context_lens, scale, check_bounds)
-    chosen = resolve_backend(backend, query.device)
-    if chosen == "triton":
-        return paged_decode_attention_triton(
-            query, k_cache, v_cache, block_tables, context_lens, scale, partition_size
-        )
-    native = _runs_native(chosen, query)
-    if metadata is not None:
-        batch = query.shape[0]
-        check_extend_metadata(
-            metadata, batch, batch, k_cache.shape[1], query.shape[1] // k_cache.shape[2], native
-        )
-    if native:
-        starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-        return paged_extend_attention_native(
-            query, k_cache, v_cache, block_tables, starts, context_lens, scale, metadata
-        )
-    return paged_decode_attention_torch(
-        query, k_cache, v_cache, block_tables, context_lens, scale, metadata
-    )
+    inputs = AttentionInputs(query, k_cache, v_cache, block_tables, None, context_lens, scale)
+    check_decode(inputs, check_bounds)
+    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend)
+    if choice.backend == "triton":
+        return paged_decode_attention_triton(inputs, partition_size)
+    if choice.backend == "torch":
+        _check_metadata(metadata, inputs, choice)
+        return paged_decode_attention_torch(inputs, metadata)
+    return _attention_on_cpu(inputs.one_token_each(), choice, metadata)
 
 
 def paged_extend_attention(
@@ -159,46 +155,43 @@ def paged_extend_attention(
     sequence's tokens including the new ones (already written). Returns
     ``[T, H_q, D]``. ``max_query_len`` spares the Triton path a host sync.
     ``metadata`` (``kernels.extend_metadata.extend_metadata`` of the same step)
-    spares the torch path rebuilding its groups and masks per layer; Triton
+    spares the CPU paths rebuilding their groups and masks per layer; Triton
     ignores it.
     """
-    check_extend(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, check_bounds
+    inputs = AttentionInputs(
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
-    chosen = resolve_backend(backend, query.device)
-    if chosen == "triton":
-        return paged_extend_attention_triton(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            query_start_loc,
-            context_lens,
-            scale,
-            max_query_len,
-        )
-    native = _runs_native(chosen, query)
-    if metadata is not None:
-        check_extend_metadata(
-            metadata,
-            query.shape[0],
-            context_lens.shape[0],
-            k_cache.shape[1],
-            query.shape[1] // k_cache.shape[2],
-            native,
-        )
-    if native:
-        return paged_extend_attention_native(
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, metadata
-        )
-    return paged_extend_attention_torch(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, metadata
-    )
+    check_extend(inputs, check_bounds)
+    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend)
+    if choice.backend == "triton":
+        return paged_extend_attention_triton(inputs, max_query_len)
+    return _attention_on_cpu(inputs, choice, metadata)
 
 
-def _runs_native(backend: str, query: torch.Tensor) -> bool:
-    """The native backend with tensors its C kernel takes (fp16, say, stays on torch)."""
-    return backend == "native" and native_supports(query.device, query.dtype, query.shape[-1])
+def _attention_on_cpu(
+    inputs: AttentionInputs, choice: KernelChoice, metadata: ExtendMetadata | None
+) -> torch.Tensor:
+    """The native or torch path of checked inputs that have their start tensor."""
+    _check_metadata(metadata, inputs, choice)
+    if choice.backend == "native":
+        return paged_extend_attention_native(inputs, metadata)
+    return paged_extend_attention_torch(inputs, metadata)
+
+
+def _check_metadata(
+    metadata: ExtendMetadata | None, inputs: AttentionInputs, choice: KernelChoice
+) -> None:
+    if metadata is None:
+        return
+    query, k_cache = inputs.query, inputs.k_cache
+    check_extend_metadata(
+        metadata,
+        query.shape[0],
+        inputs.context_lens.shape[0],
+        k_cache.shape[1],
+        query.shape[1] // k_cache.shape[2],
+        choice.backend == "native",
+    )
 
 
 def copy_blocks(

@@ -1,36 +1,60 @@
-"""Backend selection: Triton on CUDA, the native C kernels (else the torch reference) on CPU.
+"""Which kernels run: the one place that decides, for a step and for every public function.
 
 ``backend`` is one of ``"auto"`` (default), ``"torch"``, ``"native"`` or
 ``"triton"``. ``"auto"`` means Triton on CUDA, and on the CPU ``"native"``
 where ``kernels.native`` could build its library (``"torch"`` where it could
-not). ``"native"`` runs paged attention of short query runs in C
-(``kernels.cpu_attention``) and everything else as ``"torch"`` does. The
-environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default of
+not). The environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default of
 ``"auto"`` for callers that pass nothing (an explicit argument wins).
 
-``"triton"`` with CPU tensors runs the kernels in Triton's interpreter, which
-``triton`` only enables when ``TRITON_INTERPRET=1`` is set before it is first
-imported (the decorator and Triton's own library functions are bound then).
-Tests therefore run the Triton comparisons in a subprocess with that variable
-set, and every other caller in the process keeps the torch path on CPU.
+    resolve_backend(backend, device)              -> "triton" | "native" | "torch"
+    choose_kernels(device, dtype, head_dim, ...)  -> KernelChoice: the backend whose
+        kernels run a step on such tensors (``kernels.step.bind_step`` binds its
+        module) and, on the native one, how many new tokens of a sequence its C
+        attention takes (longer runs go to the torch groups)
+    tile_linears_available(device, dtype)         -> bf16 linears on the tile unit
+
+``"native"`` runs the C kernels (``kernels/cpu_*.c``) where they take the tensors
+(attention: fp32 or bf16, a head size that is a multiple of 16 up to 256) and the
+torch reference for the rest. ``"triton"`` with CPU tensors runs the kernels in
+Triton's interpreter, which ``triton`` only enables when ``TRITON_INTERPRET=1`` is
+set before it is first imported (the decorator and Triton's own library functions
+are bound then). Tests therefore run the Triton comparisons in a subprocess with
+that variable set, and every other caller in the process keeps the CPU paths.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-from typing import Any
+from typing import NamedTuple
 
 import torch
 
 from kernels import native
-from kernels.triton_compat import HAS_TRITON, tl
+from kernels.tile_linear import tile_linear_available
 
 BACKENDS = ("auto", "torch", "native", "triton")
 ENV_VAR = "CHATSVC_KERNEL_BACKEND"
 
+# New tokens per sequence up to which the native backend runs the C attention (decodes
+# and short new turns, bound by reading K/V); longer runs (prefill chunks, bound by the
+# matrix products) go to the torch groups, where SDPA's win. The limits are the
+# measured crossovers of the two (docs/kernels.md, `python -m bench.cpu_attention`):
+# on the vector loops, and where bf16 runs take the tile unit (AMX).
+NATIVE_MAX_QUERY = 6
+NATIVE_MAX_QUERY_TILES = 32
+
+
+class KernelChoice(NamedTuple):
+    """The kernels of a step on given tensors (``choose_kernels``)."""
+
+    backend: str  # "triton", "native" or "torch": whose kernels run the step
+    native_max_query: int  # new tokens up to which the C attention takes a sequence; 0 off native
+
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """Return ``"torch"`` or ``"triton"`` for tensors on ``device``."""
+    """The backend the caller's choice (None: the environment's, else ``"auto"``) means for
+    tensors on ``device``: ``"triton"``, ``"native"`` or ``"torch"``."""
     choice = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
@@ -47,25 +71,41 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return choice
 
 
-def runnable(kernel: Any, device: torch.device) -> Any:
-    """The launchable ``@triton.jit`` kernel for tensors on ``device``."""
-    if not HAS_TRITON:
-        raise ValueError("triton is not installed: use backend='torch'")
-    if device.type == "cuda" or type(kernel).__name__ == "InterpretedFunction":
-        return kernel
-    raise ValueError(
-        f"Triton kernels cannot run on {device} tensors unless TRITON_INTERPRET=1 was set "
-        "before triton was imported; use backend='torch' (the default on CPU)"
-    )
+def native_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C attention takes such tensors: on the CPU, fp32 or bf16, a head size
+    that is a multiple of 16 (its vector width) up to 256."""
+    supported = dtype in native.DTYPE_CODES and head_dim % 16 == 0 and head_dim <= 256
+    return device.type == "cpu" and supported
 
 
-def dot_dtype(tensor: torch.Tensor) -> Any:
-    """Operand dtype of ``tl.dot`` in the attention kernels for ``tensor``'s dtype.
+def native_max_query(dtype: torch.dtype, head_dim: int, lib: ctypes.CDLL | None = None) -> int:
+    """New tokens per sequence up to which the native backend runs the C attention:
+    ``NATIVE_MAX_QUERY_TILES`` where bf16 runs take the tile unit, else
+    ``NATIVE_MAX_QUERY``. ``lib``: a library ``kernels.native`` built (default: its own)."""
+    lib = lib if lib is not None else native.library()
+    tiles = lib is not None and dtype == torch.bfloat16 and head_dim % 32 == 0
+    if tiles and lib.chatsvc_attention_uses_tiles():
+        return NATIVE_MAX_QUERY_TILES
+    return NATIVE_MAX_QUERY
 
-    On CUDA: the input dtype (bf16/fp16 tensor cores; fp32 as IEEE fp32). The
-    interpreter's ``tl.dot`` mis-handles bf16 operands, so interpreted runs
-    upcast them to fp32; the softmax and accumulation are fp32 either way.
-    """
-    if tensor.device.type != "cuda" or tensor.dtype == torch.float32:
-        return tl.float32
-    return tl.bfloat16 if tensor.dtype == torch.bfloat16 else tl.float16
+
+def choose_kernels(
+    device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None
+) -> KernelChoice:
+    """The kernels of a step (or one attention call) on tensors of this device, dtype and
+    head size. The native backend with tensors its C kernels do not take (fp16, say)
+    runs the torch kernels."""
+    chosen = resolve_backend(backend, device)
+    if chosen == "native" and not native_takes(device, dtype, head_dim):
+        chosen = "torch"
+    limit = native_max_query(dtype, head_dim) if chosen == "native" else 0
+    return KernelChoice(chosen, limit)
+
+
+def tile_linears_available(
+    device: torch.device | str, dtype: torch.dtype, backend: str | None = None
+) -> bool:
+    """Whether linear layers may run on the tile unit (``kernels.tile_linear``): the native
+    backend, bf16, and a library built with AMX."""
+    device = torch.device(device)
+    return resolve_backend(backend, device) == "native" and tile_linear_available(device, dtype)

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import runnable
-from kernels.triton_compat import tl, triton
+from kernels.triton_compat import runnable, tl, triton
 from kernels.validate import FLOAT_DTYPES, INDEX_DTYPES
 
 _CHUNK = 4096

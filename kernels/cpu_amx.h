@@ -25,14 +25,14 @@ static int amx_permission; /* 0: not asked yet, 1: granted, -1: refused */
 
 /* Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM for
  * XTILEDATA, once per process; torch's oneDNN asks too). */
-static int amx_usable(void) {
+static inline int amx_usable(void) {
     if (amx_permission == 0)
         amx_permission = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
     return amx_permission > 0;
 }
 
 /* Every tile 16 rows x 64 bytes; per thread, before its first tile instruction. */
-static void amx_configure(void) {
+static inline void amx_configure(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;

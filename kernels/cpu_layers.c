@@ -1,8 +1,9 @@
 /* The element-wise layers of a decoder step on the CPU: RMSNorm, RoPE, SwiGLU.
  *
- * Inside a step torch spends 20-120 us per call on each of these for a few dozen
- * rows (dtype casts, temporaries, dispatch, a parallel region), several calls
- * per layer; these loops take a few. Arithmetic is fp32; bf16 results are
+ * Inside a step torch spends far more per call on each of these for a few dozen
+ * rows than the arithmetic takes (dtype casts, temporaries, dispatch, a parallel
+ * region), several calls per layer; these loops spend little besides it (figures
+ * in docs/kernels.md, "Element-wise layers"). Arithmetic is fp32; bf16 results are
  * rounded where torch's own ops round, so the two paths agree to the last bit
  * or one bf16 step. Rows are split across the caller's OpenMP team only when
  * there is enough work to pay for waking it. Arguments are checked by the

@@ -4,9 +4,9 @@
  *
  * A decode step reads every weight once for a few dozen rows of x, so its linears
  * are bound by streaming the weights. torch's oneDNN linears (prepacked) read them
- * at ~11-12 GB/s on the 2-vCPU VM of docs/kernels.md and spend ~25 us per call
- * besides; this loop streams a layout made for the tile unit, one sequential run per
- * thread, at ~16-18 GB/s (python -m bench.linear).
+ * more slowly and spend a fixed cost per call besides; this loop streams a layout
+ * made for the tile unit, one sequential run per thread (the rates: docs/kernels.md,
+ * "Tile linears", python -m bench.linear).
  *
  * Packed layout of W, the tile unit's B operand as it loads (pairs of K for each of
  * 16 columns), zero-padded to whole 16-column blocks and 32-deep K steps:

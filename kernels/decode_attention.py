@@ -24,11 +24,11 @@ import math
 
 import torch
 
-from kernels.backend import dot_dtype, runnable
+from kernels.attention_inputs import AttentionInputs
 from kernels.decode_split import choose_partition, merge_partitions
 from kernels.extend_attention import paged_extend_attention_torch
 from kernels.extend_metadata import ExtendMetadata
-from kernels.triton_compat import tl, triton
+from kernels.triton_compat import dot_dtype, runnable, tl, triton
 from kernels.validate import (
     check_block_tables,
     check_index,
@@ -135,16 +135,10 @@ def paged_decode_kernel(
         )
 
 
-def check_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    check_bounds: bool = True,
-) -> None:
-    """Raise ``ValueError`` unless the arguments of paged decode are consistent."""
+def check_decode(inputs: AttentionInputs, check_bounds: bool = True) -> None:
+    """Raise ``ValueError`` unless a decode's inputs are consistent (one new token per
+    sequence: ``query [B, H_q, D]``; ``inputs.query_start_loc`` is not read)."""
+    query, k_cache, v_cache, block_tables, _, context_lens, scale = inputs
     num_blocks, block_size, _, _ = check_kv_caches(k_cache, v_cache)
     check_query(query, k_cache)
     if query.stride(-1) != 1:
@@ -163,13 +157,7 @@ def check_decode(
 
 
 def paged_decode_attention_torch(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    metadata: ExtendMetadata | None = None,
+    inputs: AttentionInputs, metadata: ExtendMetadata | None = None
 ) -> torch.Tensor:
     """Reference: the extend reference with one new token per sequence.
 
@@ -179,28 +167,20 @@ def paged_decode_attention_torch(
     against ``k [b, H_kv, T, D]``, so every query row sees the same key mask.
     ``metadata`` (built here when None) lets a step's layers share one build.
     """
-    starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return paged_extend_attention_torch(
-        query, k_cache, v_cache, block_tables, starts, context_lens, scale, metadata
-    )
+    return paged_extend_attention_torch(inputs.one_token_each(), metadata)
 
 
 def paged_decode_attention_triton(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    partition_size: int | None = None,
+    inputs: AttentionInputs, partition_size: int | None = None
 ) -> torch.Tensor:
-    """Launch the decode kernels (inputs already checked).
+    """Launch the decode kernels (inputs already checked; no start tensor read).
 
     ``partition_size`` (tokens, a multiple of the tile size: 64 on CUDA, 16 when
     interpreted) forces the flash-decoding split; ``None`` picks one from the
     device's SM count. The number of partitions comes from the table width, so
     no host sync on ``context_lens`` is needed.
     """
+    query, k_cache, v_cache, block_tables, _, context_lens, scale = inputs
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import runnable
-from kernels.triton_compat import tl, triton
+from kernels.triton_compat import runnable, tl, triton
 
 
 @triton.jit

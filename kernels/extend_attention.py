@@ -22,10 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import dot_dtype, runnable
+from kernels.attention_inputs import AttentionInputs
 from kernels.extend_metadata import ExtendGroup, ExtendMetadata, metadata_for
 from kernels.paged_gather import gather_tokens
-from kernels.triton_compat import tl, triton
+from kernels.triton_compat import dot_dtype, runnable, tl, triton
 from kernels.validate import (
     check_block_tables,
     check_index,
@@ -120,17 +120,9 @@ def paged_extend_kernel(
     )
 
 
-def check_extend(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    check_bounds: bool = True,
-) -> None:
-    """Raise ``ValueError`` unless the arguments of paged extend are consistent."""
+def check_extend(inputs: AttentionInputs, check_bounds: bool = True) -> None:
+    """Raise ``ValueError`` unless an extend's inputs are consistent."""
+    query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale = inputs
     num_blocks, block_size, _, _ = check_kv_caches(k_cache, v_cache)
     check_query(query, k_cache)
     if query.stride(-1) != 1:
@@ -161,14 +153,7 @@ def check_extend(
 
 
 def paged_extend_attention_torch(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    metadata: ExtendMetadata | None = None,
+    inputs: AttentionInputs, metadata: ExtendMetadata | None = None
 ) -> torch.Tensor:
     """Reference: per group of sequences (``kernels.extend_metadata``), gather whole
     blocks and run one masked SDPA; a lone prompt without a prefix runs plain causal.
@@ -177,9 +162,9 @@ def paged_extend_attention_torch(
     step's layers share one build.
     """
     if metadata is None:
-        metadata = metadata_for(query, k_cache, block_tables, query_start_loc, context_lens)
-    out = torch.empty_like(query)
-    attend_groups(query, k_cache, v_cache, metadata, scale, out)
+        metadata = metadata_for(inputs)
+    out = torch.empty_like(inputs.query)
+    attend_groups(inputs.query, inputs.k_cache, inputs.v_cache, metadata, inputs.scale, out)
     return out
 
 
@@ -233,20 +218,14 @@ def _attend_group(
 
 
 def paged_extend_attention_triton(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
+    inputs: AttentionInputs, max_query_len: int | None = None
 ) -> torch.Tensor:
     """Launch ``paged_extend_kernel`` (inputs already checked).
 
     ``max_query_len`` sizes the grid; ``None`` reads it from ``query_start_loc``
     (a host sync on CUDA: pass it when the caller knows it).
     """
+    query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale = inputs
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):

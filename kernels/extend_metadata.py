@@ -36,11 +36,12 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.attention_inputs import AttentionInputs
 from kernels.paged_gather import batch_block_ids, masked_scores_bias
 
 # Gathered K of one attention group stays under this. Larger groups mean fewer, wider SDPA
-# calls (16 MiB vs 4 MiB: batch 16 x 1k-token decode 99 -> 88 ms, 32 x 500 110 -> 99 ms,
-# 2 threads, bf16); the cap keeps one group's K and V buffers to a few tens of MB.
+# calls, which were faster than 4 MiB groups (docs/kernels.md, "Torch references"); the
+# cap keeps one group's K and V buffers to a few tens of MB.
 GATHER_CHUNK_BYTES = 16 << 20
 
 
@@ -158,20 +159,15 @@ def extend_metadata(
     )
 
 
-def metadata_for(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    native_max_query: int = 0,
-) -> ExtendMetadata:
-    """``extend_metadata`` with the sizes read off one layer's query and K cache."""
+def metadata_for(inputs: AttentionInputs, native_max_query: int = 0) -> ExtendMetadata:
+    """``extend_metadata`` of one layer's attention inputs (sizes read off its query and
+    K cache; ``inputs.query_start_loc`` set)."""
+    query, k_cache = inputs.query, inputs.k_cache
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     return extend_metadata(
-        block_tables,
-        query_start_loc,
-        context_lens,
+        inputs.block_tables,
+        inputs.query_start_loc,
+        inputs.context_lens,
         k_cache.shape[1],
         query.shape[1] // num_kv_heads,
         num_kv_heads * head_dim * k_cache.element_size(),

@@ -10,6 +10,14 @@ rename it into place.
 
 Where no compiler works, ``library()`` returns None once it has logged why, and
 the kernels fall back to the torch reference (``kernels.backend``).
+
+Loading a shared library runs its code inside the service, so a cached one is
+loaded only if it and its directory belong to this user and nobody else can
+write to them (the directory is created 0700). A cached file that fails the
+check is replaced by a fresh build; a directory that fails it (another user's)
+is not used at all: the kernels then run on torch, and the log says why. The
+loaded library's sha256 is logged and kept (``library_sha256()``), so an
+operator can tell which build runs.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -33,10 +42,21 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_kv.c", "cpu_layers.c", "cpu_linear.c")
+    for name in (
+        "cpu_attention.c",
+        "cpu_attention_plan.c",
+        "cpu_attention_merge.c",
+        "cpu_attention_portable.c",
+        "cpu_attention_avx512.c",
+        "cpu_attention_bf16.c",
+        "cpu_attention_amx.c",
+        "cpu_kv.c",
+        "cpu_layers.c",
+        "cpu_linear.c",
+    )
 )
 HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_amx.h")
+    Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_amx.h", "cpu_attention.h")
 )  # included by the sources: in the key
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
@@ -55,7 +75,11 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
+_loaded_sha256: str | None = None
 _error: str | None = None
+PRIVATE_DIR_MODE = 0o700
+# Group or other write on a library or its directory lets someone else swap the code.
+_FOREIGN_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 def build_dir() -> Path:
@@ -103,10 +127,13 @@ def build(compiler: str, flags: list[str]) -> Path:
         key.update(part)
         key.update(b"\0")
     key.update(_cpu_signature().encode())
-    target = build_dir() / f"{LIBRARY}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = _private_build_dir(build_dir()) / f"{LIBRARY}-{key.hexdigest()[:16]}.so"
+    if os.path.lexists(target):
+        reason = untrusted_reason(target)
+        if reason is None:
+            return target
+        log.warning("not loading the cached kernel library: %s; building a fresh one", reason)
+        target.unlink()
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
@@ -118,6 +145,9 @@ def build(compiler: str, flags: list[str]) -> Path:
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        # The linker creates its output with the umask's modes; whatever they
+        # were, the library must pass untrusted_reason when it is loaded.
+        os.chmod(partial, 0o700)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
@@ -125,9 +155,59 @@ def build(compiler: str, flags: list[str]) -> Path:
     return target
 
 
+def untrusted_reason(path: Path, *, uid: int | None = None) -> str | None:
+    """Why ``path`` (a library or its directory) must not be trusted; None if it may be.
+
+    Trusted: not a symbolic link, owned by ``uid`` (default: this process's
+    effective user), and not writable by its group or by others.
+    """
+    uid = os.geteuid() if uid is None else uid
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symbolic link"
+    if info.st_uid != uid:
+        return f"{path} is owned by uid {info.st_uid}, not by this user (uid {uid})"
+    if info.st_mode & _FOREIGN_WRITE:
+        mode = stat.S_IMODE(info.st_mode)
+        return f"{path} is writable by its group or by others (mode {mode:04o})"
+    return None
+
+
+def _private_build_dir(path: Path) -> Path:
+    """``path`` created 0700 (missing parents too) or checked; RuntimeError if not ours."""
+    missing = [level for level in (path, *path.parents) if not level.exists()]
+    for level in reversed(missing):
+        try:
+            level.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:
+            pass
+    info = os.lstat(path)
+    if info.st_uid == os.geteuid() and not stat.S_ISLNK(info.st_mode):
+        if stat.S_IMODE(info.st_mode) != PRIVATE_DIR_MODE:
+            path.chmod(PRIVATE_DIR_MODE)  # files planted meanwhile still fail their own check
+    reason = untrusted_reason(path)
+    if reason is not None:
+        raise RuntimeError(f"refusing to build or load kernels in {path}: {reason}")
+    return path
+
+
+def open_trusted(path: Path) -> tuple[ctypes.CDLL, str]:
+    """dlopen ``path`` after checking it and its directory; the library and its sha256.
+
+    Raises RuntimeError, before any of the library's code can run, if either
+    fails ``untrusted_reason``.
+    """
+    path = Path(path)
+    reason = untrusted_reason(path.parent) or untrusted_reason(path)
+    if reason is not None:
+        raise RuntimeError(f"refusing to load the kernel library: {reason}")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return ctypes.CDLL(str(path)), digest
+
+
 def load(path: Path) -> ctypes.CDLL:
-    """Load a library ``build`` made, with its functions' signatures declared."""
-    lib = ctypes.CDLL(str(path))
+    """Load a library ``build`` made (checked as ``open_trusted`` does), signatures declared."""
+    lib, _ = open_trusted(path)
     _declare(lib)
     return lib
 
@@ -191,7 +271,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first call; None when it cannot be built."""
-    global _loaded, _error
+    global _loaded, _loaded_sha256, _error
     if _loaded is not None:  # every kernel call on the CPU asks: no lock once loaded
         return _loaded
     with _lock:
@@ -201,7 +281,11 @@ def library() -> ctypes.CDLL | None:
         try:
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-            _loaded = load(build(compiler, default_flags()))
+            path = build(compiler, default_flags())
+            lib, digest = open_trusted(path)
+            _declare(lib)
+            _loaded, _loaded_sha256 = lib, digest
+            log.info("native CPU kernels loaded from %s (sha256 %s)", path, digest)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _error = str(exc)
             log.warning("native CPU kernels unavailable, using the torch path: %s", _error)
@@ -214,6 +298,11 @@ def require() -> ctypes.CDLL:
     if lib is None:
         raise ValueError(f"the native CPU kernels are unavailable: {_error}")
     return lib
+
+
+def library_sha256() -> str | None:
+    """The hex sha256 of the library ``library()`` loaded; None if none is loaded."""
+    return _loaded_sha256
 
 
 def unavailable_reason() -> str | None:

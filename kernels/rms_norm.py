@@ -43,7 +43,7 @@ def rms_norm_native(
     """The C loop on rows of ``x`` (``[rows, hidden]``, unit stride along hidden).
 
     ``lib`` / ``num_threads``: the library and team size, where the caller resolved
-    them once (``kernels.step_kernels``); default ``native.require()`` and torch's."""
+    them once (``kernels.step_native``); default ``native.require()`` and torch's."""
     lib = native.require() if lib is None else lib
     out = torch.empty(x.shape, dtype=x.dtype)
     weight = weight.contiguous()

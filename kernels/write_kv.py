@@ -12,9 +12,8 @@ import ctypes
 import torch
 
 from kernels import native
-from kernels.backend import runnable
 from kernels.step_metadata import WriteIndex, write_index
-from kernels.triton_compat import tl, triton
+from kernels.triton_compat import runnable, tl, triton
 from kernels.validate import check_index, check_kv_caches, check_shared_strides
 
 
@@ -157,7 +156,7 @@ def launch_write_kv(
     block_size: int,
 ) -> None:
     """The C call alone: caches by address (K, V) and their shared (block, slot, head)
-    strides in elements; ``slots`` int64 and contiguous. ``kernels.step_kernels`` calls
+    strides in elements; ``slots`` int64 and contiguous. ``kernels.step_native`` calls
     it with a step's slots converted once."""
     lib.chatsvc_write_kv(
         key.data_ptr(),

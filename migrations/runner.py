@@ -40,12 +40,14 @@ def all_migrations() -> tuple[Migration, ...]:
         m0001_initial,
         m0002_session_index_zset,
         m0003_tenant_names_and_operator_prompts,
+        m0004_session_tokens_key,
     )
 
     return (
         m0001_initial.MIGRATION,
         m0002_session_index_zset.MIGRATION,
         m0003_tenant_names_and_operator_prompts.MIGRATION,
+        m0004_session_tokens_key.MIGRATION,
     )
 
 

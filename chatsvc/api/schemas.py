@@ -54,6 +54,9 @@ class CreateSession(Request):
 
 
 class SessionView(msgspec.Struct, kw_only=True):
+    """A session's summary: never its messages or token ids (its size does not grow
+    with the conversation), so listing stays cheap however long sessions get."""
+
     id: str
     system_prompt_id: str | None
     metadata: dict[str, str]
@@ -64,6 +67,8 @@ class SessionView(msgspec.Struct, kw_only=True):
 
 
 class SessionList(msgspec.Struct, kw_only=True):
+    """One page, bounded by ``limit`` and by bytes; ``next_cursor`` None: the last page."""
+
     sessions: list[SessionView]
     next_cursor: str | None = None
 

@@ -15,16 +15,26 @@ from chatsvc.api.errors import (
 )
 from chatsvc.api.schemas import CreateSession, SessionList, SessionView
 from chatsvc.api.turn import UNKNOWN_SESSION, get_session
-from chatsvc.store.records import SessionRecord
+from chatsvc.store.records import SessionRecord, SessionSummary
+
+# A listing page's body stays under this many bytes (unless one session's
+# metadata alone is larger: a page always holds at least one session). A
+# summary's metadata is bounded (64 entries of up to 4 KB), so a full page of
+# 500 would otherwise reach ~130 MB.
+LIST_PAGE_MAX_BYTES = 1 << 20
+# Room for the page's envelope: the list brackets, separators and the cursor.
+_ENVELOPE_BYTES = 1024
 
 
-def session_view(session: SessionRecord) -> SessionView:
+def session_view(session: SessionRecord | SessionSummary) -> SessionView:
+    if isinstance(session, SessionRecord):
+        session = session.summary()
     return SessionView(
         id=session.id,
         system_prompt_id=session.system_prompt_id,
         metadata=session.metadata,
         num_messages=session.num_messages,
-        num_tokens=len(session.token_ids),
+        num_tokens=session.num_tokens,
         created_at=session.created_at,
         updated_at=session.updated_at,
     )
@@ -77,10 +87,14 @@ class SessionController(Controller):
         limit: int = Parameter(default=50, ge=1, le=500),
         cursor: str | None = Parameter(default=None, max_length=200),
     ) -> SessionList:
-        """One page of sessions; pass ``next_cursor`` back as ``cursor`` for the next."""
+        """One page of session summaries (no history), up to ``limit`` and about 1 MB;
+        pass ``next_cursor`` back as ``cursor`` for the next."""
         try:
             sessions, next_cursor = await services.store.list_sessions(
-                tenant.id, limit=limit, cursor=cursor
+                tenant.id,
+                limit=limit,
+                cursor=cursor,
+                max_bytes=LIST_PAGE_MAX_BYTES - _ENVELOPE_BYTES,
             )
         except ValueError as exc:
             raise InvalidRequestError(f"bad cursor: {exc}") from None

@@ -8,7 +8,8 @@ Life of a turn (the order is what keeps Redis consistent):
     take a generation slot   -> 429
     reload session, build the prompt, fit the context -> 400, lock released
     generate (streamed or not)
-    on finish: append_turn (user + assistant + token history in one MULTI/EXEC)
+    on finish: append_turn (user + assistant + token history in one atomic write,
+               only while this turn still holds the lock) -> 409 if it lost it
     release lock and slot
 
 A turn that does not finish (client gone, engine abort, error) is not
@@ -25,10 +26,12 @@ from dataclasses import dataclass
 import anyio
 
 from chatsvc.api import generation as gen
-from chatsvc.api.errors import NotFoundError, ServiceUnavailableError
+from chatsvc.api.errors import ConflictError, NotFoundError, ServiceUnavailableError
 from chatsvc.api.schemas import MessageView, PostMessage, Timings, TurnResult, Usage
 from chatsvc.logs import text_for_log
 from chatsvc.service import Services
+from chatsvc.store import TurnLockLostError
+from chatsvc.store.lock import RedisLock
 from chatsvc.store.records import MessageRecord, SessionRecord, TenantRecord
 from chatsvc.store.records import Usage as UsageRecord
 
@@ -45,11 +48,15 @@ class PreparedTurn:
 
 
 class TurnHold:
-    """The turn lock and the generation slot of one turn; ``release`` is idempotent."""
+    """The turn lock and the generation slot of one turn; ``release`` is idempotent.
 
-    def __init__(self, slot: gen.StreamSlot, lock_cm) -> None:
+    ``lock`` is what the turn's commit is fenced by (see ``Store.append_turn``).
+    """
+
+    def __init__(self, slot: gen.StreamSlot, lock_cm, lock: RedisLock) -> None:
         self._slot = slot
         self._lock_cm = lock_cm
+        self.lock = lock
         self._released = False
 
     async def release(self) -> None:
@@ -85,14 +92,14 @@ async def begin_turn(
     # The lock comes before the slot: clients racing on one session get 409 and
     # never hold one of the tenant's generation slots while they lose the race.
     lock_cm = store.turn_lock(tenant.id, session_id)
-    await lock_cm.__aenter__()
+    lock = await lock_cm.__aenter__()
     try:
         slot = gen.StreamSlot(services, tenant.id)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await lock_cm.__aexit__(None, None, None)
         raise
-    hold = TurnHold(slot, lock_cm)
+    hold = TurnHold(slot, lock_cm, lock)
     try:
         prepared = await _prepare(services, tenant, session_id, body.content, sampling, requested)
     except BaseException:
@@ -160,7 +167,7 @@ async def run_turn(
         if sample.finish_reason in (None, "abort") or sample.metrics is None:
             services.metrics.observe_failure("session_turn", "aborted")
             raise ServiceUnavailableError("the generation was aborted; the turn was not stored")
-        result = await _store_turn(services, tenant, turn, sample)
+        result = await _store_turn(services, tenant, turn, sample, hold.lock)
         m = sample.metrics
         log.info(
             "turn stored: session %s, engine request %s, %d prompt tokens (%d cached), "
@@ -182,7 +189,7 @@ async def run_turn(
         await hold.release()
 
 
-async def _store_turn(services, tenant, turn: PreparedTurn, sample) -> TurnResult:
+async def _store_turn(services, tenant, turn: PreparedTurn, sample, lock: RedisLock) -> TurnResult:
     m = sample.metrics
     # Text and tokens stored must agree (a stop string cuts the text, not the tokens),
     # or the next turn's render no longer extends the stored tokens.
@@ -205,14 +212,27 @@ async def _store_turn(services, tenant, turn: PreparedTurn, sample) -> TurnResul
     )
     # Shielded so a disconnect arriving during the write cannot cut the MULTI/EXEC
     # round trip in half; the write itself is all-or-nothing in Redis either way.
-    with anyio.CancelScope(shield=True):
-        await services.store.append_turn(
-            tenant.id,
-            turn.session.id,
-            turn.user,
-            assistant,
-            token_ids=[*turn.request.prompt_token_ids, *answer_ids],
-        )
+    # The request id names the turn: a commit resent after a lost reply is then
+    # recognised as already applied instead of appending the turn twice.
+    try:
+        with anyio.CancelScope(shield=True):
+            await services.store.append_turn(
+                tenant.id,
+                turn.session.id,
+                turn.user,
+                assistant,
+                lock=lock,
+                turn_id=turn.request.request_id,
+                token_ids=[*turn.request.prompt_token_ids, *answer_ids],
+            )
+    except TurnLockLostError:
+        services.metrics.observe_failure("session_turn", "lock_lost")
+        raise ConflictError(
+            "the session's turn lock expired while this turn ran (a stall or a Redis "
+            "failover longer than its TTL) and another turn may have taken over; "
+            "this turn was not stored, send the message again",
+            error_type="turn_lock_lost",
+        ) from None
     return TurnResult(
         session_id=turn.session.id,
         message=MessageView(role="assistant", content=sample.text, created_at=assistant.created_at),

@@ -14,6 +14,10 @@ row per entry, in that order.
 Sequence b already has ``context_lens[b] - q_len[b]`` tokens in the KV cache, so its
 new token i sits at position ``context_lens[b] - q_len[b] + i`` and writes its K/V to
 ``slot_mapping[row]`` (``block * block_size + offset``; -1 = skip).
+
+The index tensors, ``is_decode`` and ``max_query_len`` are what a step's kernels read
+(``kernels.step.StepBatch``): ``bind_step`` builds each backend's per-step metadata
+from them.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""Building blocks of the Llama forward pass: the RoPE tables and the (prepacked) linears.
+"""The RoPE tables of the Llama forward pass.
 
-The element-wise layers (RMSNorm, RoPE, SwiGLU) are in kernels/."""
+The linear layers are in ``chatsvc.engine.linear``; the element-wise layers (RMSNorm,
+RoPE, SwiGLU) are kernels, bound per step (``kernels.step``)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from chatsvc.engine.model_config import ModelConfig, RopeScaling
-from kernels.tile_linear import TileWeight
-from kernels.tile_linear import tile_linear as _tile_linear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -60,50 +58,3 @@ class RotaryTables:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the given positions, each ``[T, 1, D]`` (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN weight prepacking is available: a CPU build with mkldnn, fp32 or bf16."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
-
-
-def prepack(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor:
-    """A ``[out, in]`` weight in oneDNN's blocked layout, so no matmul reorders it per call.
-
-    The hint only picks the layout; any number of input rows works.
-    """
-    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x @ weight^T + bias`` with a plain weight."""
-    return F.linear(x, weight, bias)
-
-
-def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + x @ weight^T`` in one call (addmm), a plain weight."""
-    return torch.addmm(residual, x, weight.t())
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x @ weight^T + bias`` with a weight from ``prepack``."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def packed_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
-    """``residual + x @ weight^T`` in one call, a weight from ``prepack``."""
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")
-
-
-def tile_linear(x: torch.Tensor, weight: TileWeight, bias: torch.Tensor | None = None):
-    """``x @ weight^T + bias`` with a weight from ``kernels.tile_linear.pack_tile_weight``."""
-    return _tile_linear(x, weight, bias)
-
-
-def tile_linear_add(x: torch.Tensor, weight: TileWeight, residual: torch.Tensor):
-    """``residual + x @ weight^T`` in one call, a tile-packed weight."""
-    return _tile_linear(x, weight, None, residual)

@@ -9,9 +9,11 @@ Per layer (T new tokens, shapes in comments):
     h   = h + o @ Wo^T                         addmm: residual add fused
     h   = h + swiglu(rms_norm(h) @ Wgu^T) @ Wd^T
 
-K and V are read and written only through ``kernels`` and the layer views of the
-pool defined in ``kernels.kv_layout``. Logits are computed only for each sequence's
-last new token.
+The attention, the KV write and the element-wise layers are the step's kernels,
+bound once per step (``kernels.step.bind_step``: which backend and which kernel
+runs is decided there); the linears are the weight layout's (``chatsvc.engine.linear``).
+K and V are read and written only through those kernels. Logits are computed only for
+each sequence's last new token.
 """
 
 from __future__ import annotations
@@ -20,47 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from chatsvc.engine.forward_batch import ForwardBatch
-from chatsvc.engine.layers import (
-    RotaryTables,
-    can_prepack,
-    linear,
-    linear_add,
-    packed_linear,
-    packed_linear_add,
-    prepack,
-    tile_linear,
-    tile_linear_add,
-)
+from chatsvc.engine.layers import RotaryTables
+from chatsvc.engine.linear import LINEARS, choose_layout
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
-from kernels import step_metadata
-from kernels.backend import resolve_backend
-from kernels.cpu_attention import native_max_query, native_supports
-from kernels.extend_metadata import extend_metadata
 from kernels.kv_layout import KVShape
-from kernels.step_kernels import CheckedStep, NativeStep, StepTensors
-from kernels.tile_linear import pack_tile_weight, tile_linear_available
-
-WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
-
-
-def _weight_layout(choice: bool | str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """``LlamaModel``'s ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``."""
-    tiles = resolve_backend(None, device) == "native" and tile_linear_available(device, dtype)
-    onednn = can_prepack(device, dtype)
-    if choice is False:
-        return "plain"
-    if choice is None or choice is True:
-        if tiles or onednn:
-            return "tiles" if tiles else "onednn"
-        if choice is None:
-            return "plain"
-        raise ValueError("weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)")
-    if choice not in WEIGHT_LAYOUTS:
-        raise ValueError(f"prepack_weights must be a bool, None or one of {WEIGHT_LAYOUTS}")
-    if (choice == "tiles" and not tiles) or (choice == "onednn" and not onednn):
-        raise ValueError(f"the {choice!r} weight layout is not available for {dtype} on {device}")
-    return choice
+from kernels.step import StepDims, bind_step
 
 
 class LlamaModel:
@@ -82,11 +49,11 @@ class LlamaModel:
         step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
 
         prepack_weights: store the matrices in a layout made for the CPU's matrix code
-        (``WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.tile_linear`` (bf16 with AMX and the
-        native kernels), ``"onednn"`` for torch's oneDNN linears; True or None = the first
-        of those available here (None: plain where neither is), False = plain. The plain
-        matrices in ``weights.layers`` are replaced by the packed ones, which still report
-        their ``[out, in]`` shape.
+        (``chatsvc.engine.linear.WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.tile_linear``
+        (bf16 with AMX and the native kernels), ``"onednn"`` for torch's oneDNN linears; True
+        or None = the first of those available here (None: plain where neither is), False =
+        plain. The plain matrices in ``weights.layers`` are replaced by the packed ones, which
+        still report their ``[out, in]`` shape.
         """
         if len(weights.layers) != config.num_layers:
             raise ValueError(
@@ -100,19 +67,13 @@ class LlamaModel:
         self.rope = RotaryTables(config, self.max_positions, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
-        # False: every layer calls the public, per-call-checked kernel functions even on
-        # the native backend (bench.model_step --compare-checked; the results are equal).
-        self.bind_step_kernels = True
-        self.weight_layout = _weight_layout(prepack_weights, self.device, self.dtype)
+        self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps)
+        self.weight_layout = choose_layout(prepack_weights, self.device, self.dtype)
+        self.linears = LINEARS[self.weight_layout]
         self.prepacked = self.weight_layout != "plain"
-        self._linear, self._linear_add = linear, linear_add
         self._lm_head = weights.lm_head
         if self.prepacked:
-            pack = prepack
-            self._linear, self._linear_add = packed_linear, packed_linear_add
-            if self.weight_layout == "tiles":
-                pack = pack_tile_weight
-                self._linear, self._linear_add = tile_linear, tile_linear_add
+            pack = self.linears.pack
             for layer in weights.layers:
                 layer.qkv_weight = pack(layer.qkv_weight)
                 layer.o_weight = pack(layer.o_weight)
@@ -160,54 +121,6 @@ class LlamaModel:
         if bool(((tables < 0) | (tables >= num_blocks)).any()):
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
-    def _step_kernels(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> CheckedStep | NativeStep:
-        """The kernels every layer of this step calls, bound once (``kernels.step_kernels``).
-
-        On the CPU this also builds the attention groups and, for the torch path, the
-        slot split once for all layers; Triton reads the raw tensors itself.
-        """
-        c = self.config
-        backend = resolve_backend(None, self.device)
-        native = backend == "native" and native_supports(self.device, self.dtype, c.head_dim)
-        write_index, metadata = None, None
-        if backend != "triton":
-            metadata = extend_metadata(
-                batch.block_tables,
-                batch.query_start_loc,
-                batch.context_lens,
-                kv_pool.shape[3],
-                c.num_heads // c.num_kv_heads,
-                c.num_kv_heads * c.head_dim * self.weights.embed.element_size(),
-                self.dtype,
-                native_max_query=native_max_query(self.dtype, c.head_dim) if native else 0,
-            )
-        step = StepTensors(
-            kv_pool,
-            batch.slot_mapping,
-            batch.block_tables,
-            batch.query_start_loc,
-            batch.context_lens,
-        )
-        if native and self.bind_step_kernels:
-            return NativeStep(
-                step,
-                num_q_heads=c.num_heads,
-                scale=self.scale,
-                eps=c.rms_norm_eps,
-                metadata=metadata,
-            )
-        if backend == "torch":
-            write_index = step_metadata.write_index(batch.slot_mapping, kv_pool.shape[3])
-        return CheckedStep(
-            step,
-            is_decode=batch.is_decode,
-            max_query_len=batch.max_query_len,
-            scale=self.scale,
-            eps=c.rms_norm_eps,
-            write_index=write_index,
-            metadata=metadata,
-        )
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         """Run one step; returns fp32 logits ``[B, vocab]`` of each sequence's last new token.
@@ -220,10 +133,11 @@ class LlamaModel:
         num_tokens = batch.num_tokens
         q_size, kv_size = c.q_size, c.kv_size
         heads_qk = c.num_heads + c.num_kv_heads
-        mm, mm_add = self._linear, self._linear_add
+        mm, mm_add = self.linears.linear, self.linears.linear_add
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
-        ops = self._step_kernels(batch, kv_pool)
+        # The only way to the kernels: bound once for all layers, backend chosen there.
+        ops = bind_step(batch, kv_pool, self.step_dims)
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
             x = ops.rms_norm(h, layer.input_norm)

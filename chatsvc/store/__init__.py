@@ -9,6 +9,7 @@ from chatsvc.store.errors import (
     SessionBusyError,
     StoreError,
     StoreUnavailableError,
+    TurnLockLostError,
 )
 from chatsvc.store.store import Store, hash_api_key
 
@@ -19,5 +20,6 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailableError",
+    "TurnLockLostError",
     "hash_api_key",
 ]

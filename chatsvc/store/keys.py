@@ -1,6 +1,6 @@
 """Every Redis key chatsvc uses, under one prefix.
 
-Layout (``p`` = prefix, schema version 3):
+Layout (``p`` = prefix, schema version 4):
 
     p:schema_version                 string  newest applied migration number
     p:migration_lock                 string  held while migrations run
@@ -12,8 +12,10 @@ Layout (``p`` = prefix, schema version 3):
     p:prompts:shared                 set     ids of the shared system prompts the operator published
     p:prompt:<pid>                   string  SystemPromptRecord
     p:tenant:<tid>:sessions          zset    session ids scored by updated_at (v1: a set)
-    p:session:{<sid>}                string  SessionRecord
+    p:session:{<sid>}                string  SessionSummary (v2: the whole SessionRecord)
+    p:session:{<sid>}:tokens         string  the token history (msgpack array)
     p:session:{<sid>}:messages       list    MessageRecord, oldest first
+    p:session:{<sid>}:commits        list    ids of the newest applied turns, newest first
     p:session:{<sid>}:lock           string  turn-lock token
 
 A session's keys all carry ``{<sid>}``: the braces make it the Redis Cluster
@@ -87,6 +89,16 @@ class Keys:
     def session(self, session_id: str) -> str:
         return f"{self.prefix}:session:{{{session_id}}}"
 
+    def sessions_pattern(self) -> str:
+        """SCAN pattern matching every session's summary key, and no other key."""
+        return f"{self.prefix}:session:{{*}}"
+
+    def session_tokens(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:tokens"
+
+    def session_commits(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:commits"
+
     def session_messages(self, session_id: str) -> str:
         return f"{self.prefix}:session:{{{session_id}}}:messages"
 
@@ -95,7 +107,12 @@ class Keys:
 
     def session_data_keys(self, session_id: str) -> list[str]:
         """The keys that hold a session's data and share its idle TTL."""
-        return [self.session(session_id), self.session_messages(session_id)]
+        return [
+            self.session(session_id),
+            self.session_tokens(session_id),
+            self.session_messages(session_id),
+            self.session_commits(session_id),
+        ]
 
     def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session, the lock included: what delete removes."""

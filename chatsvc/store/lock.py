@@ -46,7 +46,11 @@ class RedisLock:
 
     async def acquire(self) -> bool:
         """Take the lock if free; False if someone holds it. Never waits."""
-        return bool(await self._client.set(self.key, self.token, nx=True, px=self.ttl_ms))
+        if await self._client.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            return True
+        # A SET whose reply was lost is sent again by redis-py and then finds the
+        # key taken, by this very token: that is an acquisition, not a busy lock.
+        return await self._client.get(self.key) == self.token.encode()
 
     async def release(self) -> bool:
         """Delete the lock if this object still holds it; False if it had expired."""

@@ -14,7 +14,7 @@ import msgspec
 
 # The keyspace layout these records and ``chatsvc.store.keys`` describe. It equals
 # the number of the newest migration; the runner stores it under the version key.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def now() -> float:
@@ -73,9 +73,26 @@ class MessageRecord(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class SessionSummary(msgspec.Struct, kw_only=True):
+    """A session without its token history: what ``p:session:{<sid>}`` holds and
+    what listing returns. Its size does not grow with the conversation."""
+
+    id: str
+    tenant_id: str
+    system_prompt_id: str | None
+    metadata: dict[str, str]
+    created_at: float
+    updated_at: float
+    num_messages: int = 0
+    num_tokens: int = 0
+
+
 class SessionRecord(msgspec.Struct, kw_only=True):
     """A conversation. ``token_ids`` is the whole conversation as last sent to or
-    produced by the model, so the next prompt is these tokens plus the new turn's."""
+    produced by the model, so the next prompt is these tokens plus the new turn's.
+
+    Stored as two keys: the ``SessionSummary`` and the token history on its own
+    (layout 4; before it, this whole record was the session key's value)."""
 
     id: str
     tenant_id: str
@@ -86,14 +103,42 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     num_messages: int = 0
     token_ids: list[int] = msgspec.field(default_factory=list)
 
+    def summary(self) -> SessionSummary:
+        """The record without its token ids (their count stays)."""
+        return SessionSummary(
+            id=self.id,
+            tenant_id=self.tenant_id,
+            system_prompt_id=self.system_prompt_id,
+            metadata=self.metadata,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            num_messages=self.num_messages,
+            num_tokens=len(self.token_ids),
+        )
+
+    @classmethod
+    def from_summary(cls, summary: SessionSummary, token_ids: list[int]) -> SessionRecord:
+        """The record a summary and its token history make."""
+        return cls(
+            id=summary.id,
+            tenant_id=summary.tenant_id,
+            system_prompt_id=summary.system_prompt_id,
+            metadata=summary.metadata,
+            created_at=summary.created_at,
+            updated_at=summary.updated_at,
+            num_messages=summary.num_messages,
+            token_ids=token_ids,
+        )
+
 
 ROLES = frozenset({"system", "user", "assistant"})
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {
     cls: msgspec.msgpack.Decoder(cls)
-    for cls in (TenantRecord, SystemPromptRecord, MessageRecord, SessionRecord)
+    for cls in (TenantRecord, SystemPromptRecord, MessageRecord, SessionRecord, SessionSummary)
 }
+_tokens_decoder = msgspec.msgpack.Decoder(list[int])
 
 
 def encode(record: msgspec.Struct) -> bytes:
@@ -107,3 +152,13 @@ T = TypeVar("T")
 def decode(cls: type[T], data: bytes) -> T:
     """Decode msgpack ``data`` as ``cls``; raises ``msgspec.ValidationError`` on a bad shape."""
     return _decoders[cls].decode(data)
+
+
+def encode_tokens(token_ids: list[int]) -> bytes:
+    """A token history as stored under ``p:session:{<sid>}:tokens`` (a msgpack array)."""
+    return _encoder.encode(token_ids)
+
+
+def decode_tokens(data: bytes) -> list[int]:
+    """The token ids ``encode_tokens`` wrote; ``msgspec.ValidationError`` on a bad shape."""
+    return _tokens_decoder.decode(data)

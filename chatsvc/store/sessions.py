@@ -1,11 +1,14 @@
 """Sessions and their turns: the half of ``Store`` that a chat turn touches.
 
 Keys per session (all sharing the ``{<sid>}`` hash tag, see keys.py): the
-SessionRecord, the message list and the turn lock. With an idle TTL, the record
-and the message list expire together; every write and every read by the owner
-pushes the expiry out again. The tenant's index (a sorted set by updated_at)
-does not expire; ids whose session has expired are pruned from it lazily, when
-listing meets them.
+summary, the token history, the message list, the ids of recently applied
+turns and the turn lock. With an idle TTL, all but the lock expire together;
+every write and every read by the owner pushes the expiry out again. The
+tenant's index (a sorted set by updated_at) does not expire; ids whose session
+has expired are pruned from it lazily, when listing meets them.
+
+Creating a session and committing a turn are Lua scripts (``commit.py``):
+each is fenced, idempotent and atomic.
 """
 
 from __future__ import annotations
@@ -19,29 +22,34 @@ import redis.asyncio as aredis
 import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
+from chatsvc.store.commit import CommitScripts, SessionKeys, fingerprint
 from chatsvc.store.connection import is_transport_error, unavailable_on_failure
-from chatsvc.store.errors import NotFoundError, StoreError, StoreUnavailableError
-from chatsvc.store.keys import Keys, check_id
-from chatsvc.store.listing import (
-    MAX_LIST_LIMIT,
-    decode_cursor,
-    encode_cursor,
-    get_many,
-    index_after,
+from chatsvc.store.errors import (
+    NotFoundError,
+    StoreError,
+    StoreUnavailableError,
+    TurnLockLostError,
 )
+from chatsvc.store.keys import Keys, check_id
+from chatsvc.store.listing import MAX_LIST_LIMIT, decode_cursor, read_page
+from chatsvc.store.lock import RedisLock
 from chatsvc.store.records import (
     MessageRecord,
     SessionRecord,
+    SessionSummary,
     SystemPromptRecord,
     TenantRecord,
     decode,
+    decode_tokens,
     encode,
+    encode_tokens,
     now,
 )
 
-# A WATCH conflict means another writer touched the session between our read
-# and EXEC; with the turn lock held that is rare, so a few retries are plenty.
+# A conflict means another writer changed the session between our read and our
+# write; with the turn lock held that is rare, so a few retries are plenty.
 MAX_WATCH_RETRIES = 8
+MAX_TURN_ID_CHARS = 128
 
 
 class SessionStore:
@@ -56,6 +64,7 @@ class SessionStore:
         self.url = url
         self.keys = keys
         self.session_ttl_s = session_ttl_s
+        self._scripts = CommitScripts(client)
 
     def _unavailable(self) -> contextlib.AbstractContextManager[None]:
         return unavailable_on_failure(self.url)
@@ -79,29 +88,38 @@ class SessionStore:
         prompt = decode(SystemPromptRecord, raw)
         return prompt if prompt.shared or prompt.tenant_id == tenant_id else None
 
-    async def _visible_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
+    async def _visible_session(self, tenant_id: str, session_id: str) -> SessionSummary | None:
         check_id("tenant", tenant_id)
         check_id("session", session_id)
         raw = await self.redis.get(self.keys.session(session_id))
         return self._owned(raw, tenant_id)
 
     @staticmethod
-    def _owned(raw: bytes | None, tenant_id: str) -> SessionRecord | None:
+    def _owned(raw: bytes | None, tenant_id: str) -> SessionSummary | None:
         if raw is None:
             return None
-        session = decode(SessionRecord, raw)
+        session = decode(SessionSummary, raw)
         return session if session.tenant_id == tenant_id else None
 
-    def _queue_expiry(self, pipe: aredis.client.Pipeline, session_id: str) -> None:
-        if self.session_ttl_s is not None:
-            ttl_ms = max(1, int(self.session_ttl_s * 1000))
-            for key in self.keys.session_data_keys(session_id):
-                pipe.pexpire(key, ttl_ms)
+    def _session_keys(self, tenant_id: str, session_id: str) -> SessionKeys:
+        return SessionKeys(
+            summary=self.keys.session(session_id),
+            tokens=self.keys.session_tokens(session_id),
+            messages=self.keys.session_messages(session_id),
+            commits=self.keys.session_commits(session_id),
+            lock=self.keys.session_lock(session_id),
+            index=self.keys.tenant_sessions(tenant_id),
+        )
+
+    def _ttl_ms(self) -> int | None:
+        return None if self.session_ttl_s is None else max(1, int(self.session_ttl_s * 1000))
 
     async def _touch(self, session_id: str) -> None:
-        if self.session_ttl_s is not None:
+        ttl_ms = self._ttl_ms()
+        if ttl_ms is not None:
             async with self.redis.pipeline(transaction=True) as pipe:
-                self._queue_expiry(pipe, session_id)
+                for key in self.keys.session_data_keys(session_id):
+                    pipe.pexpire(key, ttl_ms)
                 await pipe.execute()
 
     # -- sessions ------------------------------------------------------------
@@ -120,7 +138,8 @@ class SessionStore:
         ``system_text`` / ``system_token_ids`` are the system turn as the model
         sees it (the API resolves them from the prompt or inline text); when
         ``system_text`` is given it is stored as the first message, role "system".
-        The session's ``token_ids`` start as ``system_token_ids``.
+        The session's ``token_ids`` start as ``system_token_ids``. One atomic
+        write; sent again after a lost reply, it creates nothing more.
         """
         check_id("tenant", tenant_id)
         tokens = (
@@ -142,28 +161,46 @@ class SessionStore:
             num_messages=0 if system_text is None else 1,
             token_ids=tokens,
         )
+        system = None
+        if system_text is not None:
+            system = encode(MessageRecord(role="system", text=system_text, token_ids=tokens))
         with self._unavailable():
             await self._require_tenant(tenant_id)
             if system_prompt_id is not None:
                 if await self._visible_prompt(tenant_id, system_prompt_id) is None:
                     raise NotFoundError(f"unknown system prompt {system_prompt_id!r}")
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.set(self.keys.session(session.id), encode(session))
-                if system_text is not None:
-                    system = MessageRecord(role="system", text=system_text, token_ids=tokens)
-                    pipe.rpush(self.keys.session_messages(session.id), encode(system))
-                pipe.zadd(self.keys.tenant_sessions(tenant_id), {session.id: created})
-                self._queue_expiry(pipe, session.id)
-                await pipe.execute()
+            await self._scripts.create(
+                self._session_keys(tenant_id, session.id),
+                session_id=session.id,
+                summary=encode(session.summary()),
+                tokens=encode_tokens(tokens),
+                score=created,
+                ttl_ms=self._ttl_ms(),
+                system_message=system,
+            )
         return session
 
     async def get_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
         """The session, or None if unknown, expired or another tenant's. Refreshes its TTL."""
+        check_id("tenant", tenant_id)
+        check_id("session", session_id)
         with self._unavailable():
-            session = await self._visible_session(tenant_id, session_id)
+            session = await self._read_session(tenant_id, session_id)
             if session is not None:
                 await self._touch(session_id)
         return session
+
+    async def _read_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
+        # One MULTI so the summary and the token history are read at the same instant.
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(self.keys.session(session_id))
+            pipe.get(self.keys.session_tokens(session_id))
+            raw, raw_tokens = await pipe.execute()
+        summary = self._owned(raw, tenant_id)
+        if summary is None:
+            return None
+        tokens = [] if raw_tokens is None else decode_tokens(raw_tokens)
+        return SessionRecord.from_summary(summary, tokens)
 
     async def get_messages(self, tenant_id: str, session_id: str) -> list[MessageRecord] | None:
         """Every message of the session, oldest first; None if the session is not visible."""
@@ -181,38 +218,41 @@ class SessionStore:
         return [decode(MessageRecord, m) for m in raw_messages]
 
     async def list_sessions(
-        self, tenant_id: str, limit: int = 100, cursor: str | None = None
-    ) -> tuple[list[SessionRecord], str | None]:
-        """The tenant's sessions, most recently updated first, ``limit`` per page.
+        self,
+        tenant_id: str,
+        limit: int = 100,
+        cursor: str | None = None,
+        *,
+        max_bytes: int | None = None,
+    ) -> tuple[list[SessionSummary], str | None]:
+        """The tenant's sessions as summaries (no token ids), most recently updated first.
 
-        Pass the returned cursor back for the next page; None means no more.
-        Ids whose session expired are removed from the index as they are met.
+        A page ends after ``limit`` sessions, or earlier where the next summary
+        would take the page's JSON size past ``max_bytes`` (None: no byte
+        bound); a page always holds at least one session if any is left. Pass
+        the returned cursor back for the next page; None means no more. Ids
+        whose session expired are removed from the index as they are met.
         """
         check_id("tenant", tenant_id)
         if not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_LIMIT:
             raise ValueError(f"limit must be an int in [1, {MAX_LIST_LIMIT}], got {limit!r}")
-        score, after = (math.inf, None) if cursor is None else decode_cursor(cursor)
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        after = (math.inf, None) if cursor is None else decode_cursor(cursor)
         index = self.keys.tenant_sessions(tenant_id)
-        page: list[SessionRecord] = []
-        expired: list[str] = []
-        exhausted = False
         with self._unavailable():
-            while len(page) < limit and not exhausted:
-                wanted = limit - len(page)
-                candidates = await index_after(self.redis, index, score, after, wanted + 1)
-                exhausted = len(candidates) <= wanted
-                batch = candidates[:wanted]
-                raws = await get_many(self.redis, [self.keys.session(sid) for sid, _ in batch])
-                for (sid, sid_score), raw in zip(batch, raws, strict=True):
-                    score, after = sid_score, sid
-                    session = self._owned(raw, tenant_id)
-                    if session is None:
-                        expired.append(sid)
-                    else:
-                        page.append(session)
-            if expired:
-                await self.redis.zrem(index, *expired)
-        return page, None if exhausted else encode_cursor(score, after)
+            page = await read_page(
+                self.redis,
+                index,
+                self.keys.session,
+                lambda raw: self._owned(raw, tenant_id),
+                after=after,
+                limit=limit,
+                max_bytes=max_bytes,
+            )
+            if page.expired:
+                await self.redis.zrem(index, *page.expired)
+        return page.summaries, page.next_cursor
 
     async def count_sessions(self, tenant_id: str) -> int:
         """Size of the tenant's session index: an upper bound, as expired ids
@@ -249,9 +289,19 @@ class SessionStore:
         user: MessageRecord,
         assistant: MessageRecord,
         *,
+        lock: RedisLock,
+        turn_id: str | None = None,
         token_ids: list[int] | None = None,
     ) -> SessionRecord:
-        """Append a user and an assistant message in one MULTI/EXEC: all or nothing.
+        """Append a user and an assistant message in one atomic, fenced, idempotent write.
+
+        ``lock`` is the session's turn lock as ``turn_lock`` yielded it: the
+        write happens only while its token still holds the lock key, checked in
+        the same atomic step, so a turn whose lock expired and was taken by
+        another turn can never interleave with it (``TurnLockLostError``,
+        nothing written). ``turn_id`` names the turn (default: a fresh id per
+        call); a turn already applied under that id is not applied again, which
+        makes a resend after a lost reply harmless.
 
         The session's ``token_ids`` become ``token_ids`` when given (the full
         conversation as the model last saw it, e.g. after a template re-render),
@@ -266,32 +316,51 @@ class SessionStore:
         v.check_message("assistant", assistant, "assistant")
         if token_ids is not None:
             token_ids = v.check_token_ids("token_ids", token_ids)
-        key = self.keys.session(session_id)
+        keys = self._session_keys(tenant_id, session_id)
+        if not isinstance(lock, RedisLock) or lock.key != keys.lock:
+            raise ValueError("append_turn needs this session's turn lock, as turn_lock yields it")
+        turn_id = secrets.token_hex(16) if turn_id is None else _check_turn_id(turn_id)
+        messages = (encode(user), encode(assistant))
         with self._unavailable():
             for _ in range(MAX_WATCH_RETRIES):
+                # The old history is needed only to extend it; the fingerprint of the
+                # summary covers it, as every write of the tokens rewrites the summary.
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    # WATCH: if anything rewrites the record before EXEC, EXEC
-                    # applies nothing and we start over from a fresh read.
-                    await pipe.watch(key)
-                    session = self._owned(await pipe.get(key), tenant_id)
-                    if session is None:
-                        raise NotFoundError(f"unknown session {session_id!r}")
-                    updated = self._after_turn(session, user, assistant, token_ids)
-                    pipe.multi()
-                    pipe.rpush(
-                        self.keys.session_messages(session_id), encode(user), encode(assistant)
+                    pipe.get(keys.summary)
+                    if token_ids is None:
+                        pipe.get(keys.tokens)
+                    raw, *raw_tokens = await pipe.execute()
+                summary = self._owned(raw, tenant_id)
+                if summary is None:
+                    raise NotFoundError(f"unknown session {session_id!r}")
+                tokens = decode_tokens(raw_tokens[0]) if raw_tokens and raw_tokens[0] else []
+                session = SessionRecord.from_summary(summary, tokens)
+                updated = self._after_turn(session, user, assistant, token_ids)
+                outcome = await self._scripts.append(
+                    keys,
+                    session_id=session_id,
+                    turn_id=turn_id,
+                    lock_token=lock.token,
+                    read_fingerprint=fingerprint(raw),
+                    summary=encode(updated.summary()),
+                    tokens=encode_tokens(updated.token_ids),
+                    score=updated.updated_at,
+                    ttl_ms=self._ttl_ms(),
+                    messages=messages,
+                )
+                if outcome == "ok":
+                    return updated
+                if outcome == "applied":
+                    # Applied by an earlier send; what it wrote is what is stored now.
+                    return await self._read_session(tenant_id, session_id) or updated
+                if outcome == "not_found":
+                    raise NotFoundError(f"unknown session {session_id!r}")
+                if outcome == "lock_lost":
+                    raise TurnLockLostError(
+                        f"the turn lock of session {session_id!r} expired and may have been "
+                        "taken by another turn; this turn was not stored"
                     )
-                    pipe.set(key, encode(updated))
-                    pipe.zadd(
-                        self.keys.tenant_sessions(tenant_id), {session_id: updated.updated_at}
-                    )
-                    self._queue_expiry(pipe, session_id)
-                    try:
-                        await pipe.execute()
-                        return updated
-                    except rexc.WatchError as exc:
-                        conflict = exc
-        raise self._gave_up(session_id, "append", conflict)
+        raise StoreError(f"session {session_id!r} kept changing during append; try again")
 
     def _gave_up(self, session_id: str, action: str, conflict: rexc.WatchError) -> StoreError:
         # redis-py turns a connection lost while WATCHing into a WatchError
@@ -320,3 +389,9 @@ class SessionStore:
             num_messages=session.num_messages + 2,
             token_ids=token_ids,
         )
+
+
+def _check_turn_id(turn_id: object) -> str:
+    if not isinstance(turn_id, str) or not 0 < len(turn_id) <= MAX_TURN_ID_CHARS:
+        raise ValueError(f"turn_id must be a non-empty str of at most {MAX_TURN_ID_CHARS} chars")
+    return turn_id

@@ -83,13 +83,15 @@ class Store(PromptStore, TenantStore):
     # -- turn lock -----------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def turn_lock(self, tenant_id: str, session_id: str) -> AsyncIterator[None]:
+    async def turn_lock(self, tenant_id: str, session_id: str) -> AsyncIterator[RedisLock]:
         """Hold the session's turn lock for the block: one turn at a time per session.
 
-        Raises ``NotFoundError`` for an unknown (or another tenant's) session and
-        ``SessionBusyError`` if a turn is already running. The lock is extended
-        while the block runs, released when it exits (also on exceptions), and
-        expires after ``lock_ttl_s`` if this process dies.
+        Yields the lock, which ``append_turn`` needs: a turn commits only while
+        its lock is still the session's (fencing). Raises ``NotFoundError`` for
+        an unknown (or another tenant's) session and ``SessionBusyError`` if a
+        turn is already running. The lock is extended while the block runs,
+        released when it exits (also on exceptions), and expires after
+        ``lock_ttl_s`` if this process dies or stalls for that long.
         """
         with self._unavailable():
             if await self._visible_session(tenant_id, session_id) is None:
@@ -99,4 +101,4 @@ class Store(PromptStore, TenantStore):
         if not acquired:
             raise SessionBusyError(f"session {session_id!r} is already running a turn")
         async with keep_held(lock):
-            yield
+            yield lock

@@ -132,3 +132,38 @@ def test_weight_layouts_agree_in_bf16(smollm2_fp32, paged_driver, kernel_backend
     ref = paged_driver(onednn.model, seed=6).step({"s": tokens})[0]
     assert float(torch.nn.functional.cosine_similarity(got, ref, dim=0)) > 0.999
     assert int(got.argmax()) == int(ref.argmax())
+
+
+def test_the_forward_pass_reaches_kernels_only_through_its_bound_step(
+    smollm2_fp32, paged_driver, kernel_backend, monkeypatch
+):
+    """The kernels of a step are decided once (``kernels.backend.choose_kernels``, asked
+    by ``kernels.step.bind_step``), and no layer calls a public per-op kernel function,
+    on both CPU paths, for a prefill, a mixed step and a decode."""
+    import kernels
+    from kernels import backend as backends
+
+    decisions = []
+    choose = backends.choose_kernels
+
+    def counted(*args, **kwargs):
+        choice = choose(*args, **kwargs)
+        decisions.append(choice.backend)
+        return choice
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a layer called a public per-op kernel function")
+
+    monkeypatch.setattr(backends, "choose_kernels", counted)
+    for name in ("write_kv", "paged_decode_attention", "paged_extend_attention"):
+        monkeypatch.setattr(kernels, name, refused)
+    for name in ("rms_norm", "apply_rope_", "swiglu"):
+        monkeypatch.setattr(kernels, name, refused)
+    driver = paged_driver(smollm2_fp32.model, block_size=4, seed=7)
+    a = _ids(smollm2_fp32, PROMPTS[0])
+    b = _ids(smollm2_fp32, PROMPTS[1])
+    driver.step({"a": a})
+    driver.step({"a": [a[-1]], "b": b})
+    logits = driver.step({"a": [5], "b": [6]})
+    assert decisions == [kernel_backend] * 3
+    assert torch.isfinite(logits).all()

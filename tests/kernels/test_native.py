@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 import platform
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,30 +23,28 @@ from kernel_cases import (
 
 import kernels
 from kernels import native
-from kernels.backend import resolve_backend
-from kernels.cpu_attention import (
+from kernels.attention_inputs import AttentionInputs
+from kernels.backend import (
     NATIVE_MAX_QUERY,
     NATIVE_MAX_QUERY_TILES,
-    NATIVE_Q_TILE,
     native_max_query,
-    paged_attention_native,
+    resolve_backend,
 )
+from kernels.cpu_attention import NATIVE_Q_TILE, paged_attention_native
+
+
+def _inputs(case, query, starts, v_cache=None):
+    v_cache = case.v_cache if v_cache is None else v_cache
+    scale = 1 / math.sqrt(query.shape[-1])
+    return AttentionInputs(
+        query, case.k_cache, v_cache, case.block_tables, starts, case.context_lens, scale
+    )
 
 
 def _run(case, query, starts, seqs, lib=None, out=None):
     out = torch.full_like(query, float("nan")) if out is None else out
-    paged_attention_native(
-        query,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        starts,
-        case.context_lens,
-        1 / math.sqrt(query.shape[-1]),
-        torch.tensor(seqs, dtype=torch.int32),
-        out,
-        lib=lib,
-    )
+    seqs = torch.tensor(seqs, dtype=torch.int32)
+    paged_attention_native(_inputs(case, query, starts), seqs, out, lib=lib)
     return out
 
 
@@ -64,6 +65,35 @@ def test_the_library_is_built_once_per_source_flags_and_cpu(tmp_path, monkeypatc
     other = native.build("gcc", [*native.default_flags(), "-DCHATSVC_TEST_VARIANT"])
     assert other != first and other.exists()
     assert not list((tmp_path / "kernels").glob("*.partial"))
+
+
+def test_the_build_compiles_every_c_file_and_keys_every_header():
+    here = Path(native.__file__).parent
+    assert set(native.SOURCES) == set(here.glob("cpu_*.c"))
+    assert set(native.HEADERS) == set(here.glob("cpu_*.h"))
+    included = {
+        here / name
+        for path in (*native.SOURCES, *native.HEADERS)
+        for name in re.findall(r'#include "([^"]+)"', path.read_text())
+    }
+    assert included <= set(native.HEADERS)
+
+
+def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
+    """The attention's files share cpu_attention.h: editing it must not load a library
+    built from the old one."""
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for path in (*native.SOURCES, *native.HEADERS):
+        shutil.copy(path, sources / path.name)
+    monkeypatch.setattr(native, "SOURCES", tuple(sources / p.name for p in native.SOURCES))
+    monkeypatch.setattr(native, "HEADERS", tuple(sources / p.name for p in native.HEADERS))
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    first = native.build("gcc", native.default_flags())
+    header = sources / "cpu_attention.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    second = native.build("gcc", native.default_flags())
+    assert second != first and first.exists() and second.exists()
 
 
 def test_a_failed_build_raises_with_the_compiler_message(tmp_path, monkeypatch):
@@ -190,17 +220,8 @@ def test_refusals_leave_the_output_untouched():
     with pytest.raises(ValueError, match="head_dim a multiple of 16"):
         _run(case, query.half(), starts, [0], out=out.half())
     with pytest.raises(ValueError, match="share strides"):
-        paged_attention_native(
-            query,
-            case.k_cache,
-            case.v_cache.contiguous(),
-            case.block_tables,
-            starts,
-            case.context_lens,
-            0.125,
-            torch.tensor([0], dtype=torch.int32),
-            out,
-        )
+        inputs = _inputs(case, query, starts, v_cache=case.v_cache.contiguous())
+        paged_attention_native(inputs, torch.tensor([0], dtype=torch.int32), out)
     with pytest.raises(ValueError, match="query-shaped"):
         _run(case, query, starts, [0], out=out[:1])
     assert not out.any()

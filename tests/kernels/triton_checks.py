@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
 from kernel_cases import assert_close, extend_inputs, make_paged_case, slots_of
 
 import kernels
+from kernels.step import StepDims, bind_step
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 (see the module docstring)")
@@ -127,3 +129,45 @@ def test_strided_inputs_as_the_engine_passes_them():
     ref = kernels.paged_decode_attention(*args, backend="torch")
     out = kernels.paged_decode_attention(*args, backend="triton", partition_size=16)
     assert_close(out, ref, torch.float32)
+
+
+class _Batch(NamedTuple):
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    is_decode: bool
+    max_query_len: int
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 9, 3]])
+def test_a_step_bound_to_triton_matches_the_torch_step(q_lens, dtype):
+    """bind_step's Triton step (the decode kernel for a decode step, else extend) writes
+    and attends as the torch step does, in both layers of the pool."""
+    lens = [37, 20, 9]
+    case = make_paged_case(lens, 8, 2, 64, dtype)
+    slots = torch.cat(
+        [
+            slots_of(case, b, torch.arange(n - q, n))
+            for b, (n, q) in enumerate(zip(lens, q_lens, strict=True))
+        ]
+    )
+    starts = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    batch = _Batch(
+        slots, case.block_tables, starts, case.context_lens, max(q_lens) == 1, max(q_lens)
+    )
+    dims = StepDims(num_q_heads=6, scale=0.125, eps=1e-5)
+    torch_pool = case.pool.clone()
+    on_triton = bind_step(batch, case.pool, dims, backend="triton")
+    on_torch = bind_step(batch, torch_pool, dims, backend="torch")
+    assert on_triton.backend == "triton" and on_torch.backend == "torch"
+    tokens = sum(q_lens)
+    qkv = torch.randn(tokens, 6 + 2 + 2, 64).to(dtype)
+    q, k, v = qkv[:, :6], qkv[:, 6:8], qkv[:, 8:]
+    for layer in (0, 1):
+        on_triton.write_kv(layer, k, v)
+        on_torch.write_kv(layer, k, v)
+        assert torch.equal(case.pool, torch_pool)
+        assert_close(on_triton.attention(layer, q), on_torch.attention(layer, q), dtype)

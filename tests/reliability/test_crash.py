@@ -15,7 +15,7 @@ import pytest
 from bench.reliability.crash_loop import parse_args, run
 from bench.reliability.history import Attempt, ConversationLog, verify
 from chatsvc.store import Store
-from chatsvc.store.records import MessageRecord, SessionRecord, decode, encode
+from chatsvc.store.records import MessageRecord, decode_tokens, encode_tokens
 from tests.redis_server import unique_prefix
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -42,12 +42,14 @@ async def test_the_checker_flags_lost_extra_and_torn_turns(redis_server):
         session = await store.create_session(tenant.id, None, "Be brief.", system, {})
 
         async def add(user_text: str, answer: str, user_ids: list[int], answer_ids: list[int]):
-            await store.append_turn(
-                tenant.id,
-                session.id,
-                MessageRecord(role="user", text=user_text, token_ids=user_ids),
-                MessageRecord(role="assistant", text=answer, token_ids=answer_ids),
-            )
+            async with store.turn_lock(tenant.id, session.id) as lock:
+                await store.append_turn(
+                    tenant.id,
+                    session.id,
+                    MessageRecord(role="user", text=user_text, token_ids=user_ids),
+                    MessageRecord(role="assistant", text=answer, token_ids=answer_ids),
+                    lock=lock,
+                )
 
         await add("u1", "a1", [4, 5], [6])
         await add("u2", "a2", [7], [8, 9])
@@ -66,10 +68,9 @@ async def test_the_checker_flags_lost_extra_and_torn_turns(redis_server):
         unsent = ConversationLog(session.id, good.attempts[:1])
         assert (await verify(store, tenant.id, unsent)).problems
         # A torn token history: the record no longer matches its messages.
-        key = store.keys.session(session.id)
-        record = decode(SessionRecord, await store.redis.get(key))
-        record.token_ids = record.token_ids[:-1]
-        await store.redis.set(key, encode(record))
+        key = store.keys.session_tokens(session.id)
+        tokens = decode_tokens(await store.redis.get(key))
+        await store.redis.set(key, encode_tokens(tokens[:-1]))
         assert any("concatenate" in p for p in (await verify(store, tenant.id, good)).problems)
     finally:
         await store.close()

@@ -25,3 +25,9 @@ def turn(n: int) -> tuple[MessageRecord, MessageRecord]:
         usage=Usage(prompt_tokens=10 + n, cached_tokens=n, completion_tokens=3, ttft_s=0.01),
     )
     return user, assistant
+
+
+async def append(store: Store, tenant_id: str, session_id: str, user, assistant, **kwargs):
+    """One turn committed as the API commits it: under the session's turn lock."""
+    async with store.turn_lock(tenant_id, session_id) as lock:
+        return await store.append_turn(tenant_id, session_id, user, assistant, lock=lock, **kwargs)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,8 @@ import redis
 
 from chatsvc.store import Store, StoreUnavailableError
 from chatsvc.store.embedded import EmbeddedRedis, EmbeddedRedisError
-from tests.store.helpers import new_tenant, turn
+from chatsvc.store.socket_path import MAX_SOCKET_PATH_BYTES, SocketPathError, socket_path
+from tests.store.helpers import append, new_tenant, turn
 
 pytestmark = pytest.mark.anyio
 
@@ -28,14 +31,14 @@ async def test_store_unavailable_when_server_down_then_recovers(tmp_path):
         with pytest.raises(StoreUnavailableError, match="unavailable"):
             await store.get_session(tenant.id, session.id)
         with pytest.raises(StoreUnavailableError):
-            await store.append_turn(tenant.id, session.id, *turn(1))
+            await append(store, tenant.id, session.id, *turn(1))
         with pytest.raises(StoreUnavailableError):
             async with store.turn_lock(tenant.id, session.id):
                 pass
 
         server.start()  # same port, same data dir
         assert (await store.get_session(tenant.id, session.id)).num_messages == 1
-        await store.append_turn(tenant.id, session.id, *turn(1))
+        await append(store, tenant.id, session.id, *turn(1))
         assert len(await store.get_messages(tenant.id, session.id)) == 3
         await store.close()
     finally:
@@ -66,7 +69,7 @@ async def test_acknowledged_turns_survive_a_server_restart(tmp_path, restart):
         sessions = [await store.create_session(tenant.id, None, "sys", [1], {}) for _ in range(3)]
         for n in range(10):
             for session in sessions:
-                await store.append_turn(tenant.id, session.id, *turn(n))
+                await append(store, tenant.id, session.id, *turn(n))
         before = {s.id: await store.get_messages(tenant.id, s.id) for s in sessions}
         await store.close()
 
@@ -103,8 +106,6 @@ def test_two_servers_on_one_data_dir_fail_clearly(tmp_path):
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="appendfsync"):
         EmbeddedRedis(tmp_path, appendfsync="sometimes")
-    with pytest.raises(ValueError, match="port"):
-        EmbeddedRedis(tmp_path, port=70000)
     with pytest.raises(EmbeddedRedisError, match="not been started"):
         _ = EmbeddedRedis(tmp_path).url
 
@@ -155,3 +156,132 @@ time.sleep(120)
         with contextlib.suppress(ProcessLookupError):
             os.kill(server_pid, signal.SIGKILL)
         service.stdout.close()
+
+
+def _listening_tcp_inodes() -> set[str]:
+    """Socket inodes of every TCP socket on this host in the LISTEN state."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    inodes.add(fields[9])
+    return inodes
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _modes(root: Path) -> dict[str, int]:
+    found = {".": stat.S_IMODE(root.stat().st_mode)}
+    for path in root.rglob("*"):
+        found[str(path.relative_to(root))] = stat.S_IMODE(path.lstat().st_mode)
+    return found
+
+
+async def test_the_server_has_no_tcp_listener_and_keeps_its_files_private(tmp_path):
+    data = tmp_path / "state" / "redis"  # neither level exists yet
+    with EmbeddedRedis(data, appendfsync="always") as server:
+        assert server.url == f"unix://{data / 'valkey.sock'}"
+        # No TCP port at all: no other local user (or web page) can reach it over TCP.
+        assert not _socket_inodes(server.pid) & _listening_tcp_inodes()
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("port") == {"port": "0"}
+        store = await Store.connect(server.url, prefix="p")
+        tenant = await new_tenant(store)
+        session = await store.create_session(tenant.id, None, "private words", [1], {})
+        await append(store, tenant.id, session.id, *turn(1))
+        await store.close()
+        client.close()
+        modes = _modes(data)
+        assert modes["valkey.sock"] & 0o077 == 0
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+    modes = _modes(data)  # the AOF, the RDB written at shutdown, the log, the lock file
+    assert {"appendonlydir", "valkey.log", "chatsvc.lock"} <= set(modes)
+    for name, mode in modes.items():
+        if (data / name).is_dir():
+            assert mode == 0o700, name
+        else:
+            assert mode & 0o077 == 0, f"{name} is {mode:04o}"
+
+
+def test_an_existing_data_dir_left_readable_is_tightened(tmp_path):
+    data = tmp_path / "redis"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    with EmbeddedRedis(data):
+        assert stat.S_IMODE(data.stat().st_mode) == 0o700
+
+
+async def test_a_data_dir_too_long_for_a_socket_path_gets_a_private_socket_dir(tmp_path):
+    data = tmp_path / ("d" * 60) / ("e" * 60)
+    with EmbeddedRedis(data) as server:
+        sock = Path(server.url.removeprefix("unix://"))
+        assert sock.parent != data and len(os.fsencode(sock)) <= MAX_SOCKET_PATH_BYTES
+        info = sock.parent.lstat()
+        assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700
+        store = await Store.connect(server.url, prefix="p")
+        tenant = await new_tenant(store)
+        await store.close()
+        server.stop()
+        server.start()  # same data dir, same socket: clients reconnect
+        assert server.url == f"unix://{sock}"
+        store = await Store.connect(server.url, prefix="p")
+        assert await store.get_tenant(tenant.id) == tenant
+        await store.close()
+
+
+def test_a_socket_dir_someone_else_made_is_refused(tmp_path, monkeypatch):
+    data = tmp_path / ("d" * 60) / ("e" * 60)
+    planted = socket_path(data).parent  # made by "us" here; then seen as another user's
+    monkeypatch.setattr(os, "geteuid", lambda: planted.stat().st_uid + 1)
+    with pytest.raises(SocketPathError, match="owned by uid"):
+        socket_path(data)
+
+
+def test_an_explicit_socket_path_over_the_limit_is_refused(tmp_path):
+    too_long = tmp_path / ("s" * MAX_SOCKET_PATH_BYTES)
+    with pytest.raises(SocketPathError, match="over the limit"):
+        EmbeddedRedis(tmp_path / "data", unix_socket=too_long).start()
+
+
+async def test_a_frozen_server_costs_each_command_three_tries_at_most(tmp_path, monkeypatch):
+    # A command is tried three times (two retries), each waiting one socket
+    # timeout for its reply, and then fails. redis-py once did far more: a unix
+    # connect ran its handshake inside a retried step (three waits per connect),
+    # and a due health check nested further retries in every reconnect, so one
+    # command against a frozen server never ended.
+    from redis.asyncio.connection import AbstractConnection
+
+    replies_waited = []
+    read_response = AbstractConnection.read_response
+
+    async def counted(self, *args, **kwargs):
+        replies_waited.append(1)
+        return await read_response(self, *args, **kwargs)
+
+    with EmbeddedRedis(tmp_path) as server:
+        store = await Store.connect(server.url, prefix="p", socket_timeout_s=0.3)
+        tenant = await new_tenant(store)
+        for conn in store.redis.connection_pool._available_connections:
+            conn.next_health_check = 0  # as if idle for longer than any check interval
+        monkeypatch.setattr(AbstractConnection, "read_response", counted)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                replies_waited.clear()
+                with pytest.raises(StoreUnavailableError):
+                    # The deadline only keeps a regression from hanging the suite.
+                    await asyncio.wait_for(store.get_tenant(tenant.id), 120)
+                assert len(replies_waited) <= 3
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await store.close()

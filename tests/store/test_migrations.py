@@ -11,10 +11,13 @@ from chatsvc.store.records import (
     SCHEMA_VERSION,
     MessageRecord,
     SessionRecord,
+    SessionSummary,
     TenantRecord,
+    decode,
+    decode_tokens,
     encode,
 )
-from migrations import m0002_session_index_zset
+from migrations import m0002_session_index_zset, m0004_session_tokens_key
 from migrations.runner import Migration, migrate
 
 pytestmark = pytest.mark.anyio
@@ -28,10 +31,11 @@ def test_schema_version_names_the_newest_migration():
 
 async def test_fresh_keyspace_gets_every_migration_once(redis_server, prefix, raw):
     labels = [m.label for m in runner.all_migrations()]
-    assert labels[:3] == [
+    assert labels == [
         "0001_initial",
         "0002_session_index_zset",
         "0003_tenant_names_and_operator_prompts",
+        "0004_session_tokens_key",
     ]
     assert await migrate(redis_server.url, prefix) == labels
     assert await migrate(redis_server.url, prefix) == []
@@ -119,3 +123,71 @@ async def test_keyspace_newer_than_code_is_refused(redis_server, prefix, raw):
     await raw.set(f"{prefix}:schema_version", SCHEMA_VERSION + 1)
     with pytest.raises(SchemaVersionError, match="upgrade chatsvc"):
         await Store.connect(redis_server.url, prefix=prefix)
+
+
+async def _write_layout_2(raw, keys: Keys) -> tuple[TenantRecord, list[SessionRecord]]:
+    """Data as chatsvc wrote it at schema version 2: token ids inside the session record."""
+    tenant = TenantRecord(
+        id="t2", name="old", api_key_hash="1" * 64, cache_salt=b"s" * 32, created_at=1.0
+    )
+    await raw.set(keys.tenant(tenant.id), encode(tenant))
+    sessions = []
+    for n in range(3):
+        session = SessionRecord(
+            id=f"v2s{n}",
+            tenant_id=tenant.id,
+            system_prompt_id=None,
+            metadata={"n": str(n)},
+            created_at=1.0,
+            updated_at=10.0 + n,
+            num_messages=1,
+            token_ids=list(range(n * 100)),
+        )
+        await raw.set(keys.session(session.id), encode(session))
+        message = MessageRecord(role="system", text=f"sys {n}", token_ids=[n], created_at=1.0)
+        await raw.rpush(keys.session_messages(session.id), encode(message))
+        await raw.zadd(keys.tenant_sessions(tenant.id), {session.id: session.updated_at})
+        sessions.append(session)
+    await raw.pexpire(keys.session(sessions[1].id), 600_000)  # an idle TTL running
+    await raw.set(keys.session_lock(sessions[2].id), "a-turn-in-flight")  # not a session key
+    await raw.set(keys.schema_version(), 2)
+    return tenant, sessions
+
+
+async def test_layout_2_token_histories_move_to_their_own_key(redis_server, prefix, raw):
+    keys = Keys(prefix)
+    tenant, sessions = await _write_layout_2(raw, keys)
+
+    store = await Store.connect(redis_server.url, prefix=prefix)
+    try:
+        assert await raw.get(keys.schema_version()) == str(SCHEMA_VERSION).encode()
+        for session in sessions:
+            summary = decode(SessionSummary, await raw.get(keys.session(session.id)))
+            assert summary == session.summary()
+            assert b"token_ids" not in await raw.get(keys.session(session.id))
+            assert await store.get_session(tenant.id, session.id) == session
+        assert 0 < await raw.pttl(keys.session_tokens(sessions[1].id)) <= 600_000
+        assert 0 < await raw.pttl(keys.session(sessions[1].id)) <= 600_000
+        assert await raw.pttl(keys.session_tokens(sessions[0].id)) == -1
+        assert await raw.get(keys.session_lock(sessions[2].id)) == b"a-turn-in-flight"
+        listed, _ = await store.list_sessions(tenant.id)
+        assert [s.num_tokens for s in listed] == [200, 100, 0]
+        async with store.turn_lock(tenant.id, sessions[0].id) as lock:
+            user = MessageRecord(role="user", text="u", token_ids=[7])
+            assistant = MessageRecord(role="assistant", text="a", token_ids=[8])
+            await store.append_turn(tenant.id, sessions[0].id, user, assistant, lock=lock)
+        assert (await store.get_session(tenant.id, sessions[0].id)).token_ids == [7, 8]
+    finally:
+        await store.close()
+
+
+async def test_token_history_migration_is_idempotent(redis_server, prefix, raw):
+    keys = Keys(prefix)
+    _, sessions = await _write_layout_2(raw, keys)
+    await m0004_session_tokens_key.up(raw, keys)
+    once = {k: await raw.dump(k) async for k in raw.scan_iter(match=f"{prefix}:session:*")}
+    await m0004_session_tokens_key.up(raw, keys)
+    again = {k: await raw.dump(k) async for k in raw.scan_iter(match=f"{prefix}:session:*")}
+    assert again == once
+    tokens = await raw.get(keys.session_tokens(sessions[2].id))
+    assert decode_tokens(tokens) == sessions[2].token_ids

@@ -4,7 +4,16 @@ import msgspec
 import pytest
 
 from chatsvc.store.keys import Keys, check_id
-from chatsvc.store.records import MessageRecord, SessionRecord, Usage, decode, encode
+from chatsvc.store.records import (
+    MessageRecord,
+    SessionRecord,
+    SessionSummary,
+    Usage,
+    decode,
+    decode_tokens,
+    encode,
+    encode_tokens,
+)
 
 
 def test_records_round_trip_through_msgpack():
@@ -34,6 +43,23 @@ def test_old_record_without_newer_fields_still_decodes():
     assert session.token_ids == [] and session.num_messages == 0
 
 
+def test_a_record_splits_into_its_summary_and_token_history_and_back():
+    record = SessionRecord(
+        id="s",
+        tenant_id="t",
+        system_prompt_id="p",
+        metadata={"k": "v"},
+        created_at=1.0,
+        updated_at=2.0,
+        num_messages=3,
+        token_ids=[5, 70_000, 0],
+    )
+    summary = decode(SessionSummary, encode(record.summary()))
+    assert summary.num_tokens == 3 and not hasattr(summary, "token_ids")
+    tokens = decode_tokens(encode_tokens(record.token_ids))
+    assert SessionRecord.from_summary(summary, tokens) == record
+
+
 def test_corrupt_record_raises():
     with pytest.raises(msgspec.ValidationError):
         decode(MessageRecord, msgspec.msgpack.encode({"role": "user"}))
@@ -42,7 +68,7 @@ def test_corrupt_record_raises():
 def test_every_session_key_carries_the_session_hash_tag():
     keys = Keys("pfx")
     session_keys = keys.session_keys("abc")
-    assert len(set(session_keys)) == 3
+    assert len(set(session_keys)) == 5
     assert all(k.startswith("pfx:") and "{abc}" in k for k in session_keys)
     assert set(keys.session_data_keys("abc")) < set(session_keys)
 

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from chatsvc.store import NotFoundError, Store
-from tests.store.helpers import new_tenant, turn
+from chatsvc.store.listing import summary_size
+from tests.store.helpers import append, new_tenant, turn
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +57,11 @@ async def test_other_tenant_cannot_see_or_touch_a_session(store: Store):
     assert await store.get_messages(b.id, session.id) is None
     assert await store.delete_session(b.id, session.id) is False
     with pytest.raises(NotFoundError):
-        await store.append_turn(b.id, session.id, user, assistant)
+        await append(store, b.id, session.id, user, assistant)
+    async with store.turn_lock(a.id, session.id) as lock:
+        # Even with A's own lock in hand, B's commit is refused like an unknown id.
+        with pytest.raises(NotFoundError):
+            await store.append_turn(b.id, session.id, user, assistant, lock=lock)
     with pytest.raises(NotFoundError):
         async with store.turn_lock(b.id, session.id):
             pass
@@ -75,7 +80,7 @@ async def test_list_sessions_newest_first_with_cursor(store: Store):
     ids = [(await store.create_session(a.id, None, None, None, {})).id for _ in range(7)]
     await store.create_session(b.id, None, None, None, {})
     # Touching the oldest session with a turn moves it to the front.
-    await store.append_turn(a.id, ids[0], *turn(1))
+    await append(store, a.id, ids[0], *turn(1))
     expected = [ids[0], *reversed(ids[1:])]
 
     seen, cursor = [], None
@@ -112,7 +117,7 @@ async def test_delete_removes_every_key_of_the_session(store: Store, raw, prefix
     tenant = await new_tenant(store)
     keep = await store.create_session(tenant.id, None, "sys", [1], {})
     gone = await store.create_session(tenant.id, None, "sys", [1], {})
-    await store.append_turn(tenant.id, gone.id, *turn(1))
+    await append(store, tenant.id, gone.id, *turn(1))
     async with store.turn_lock(tenant.id, gone.id):
         assert await store.delete_session(tenant.id, gone.id) is True
 
@@ -138,7 +143,7 @@ async def test_idle_ttl_expires_sessions_and_listing_prunes_them(redis_server, p
         # while the other sits idle for 1.5 s, past its TTL.
         for n in range(6):
             await asyncio.sleep(0.25)
-            await store.append_turn(tenant.id, active.id, *turn(n))
+            await append(store, tenant.id, active.id, *turn(n))
         assert await store.get_session(tenant.id, idle.id) is None
         assert await raw.exists(f"{prefix}:session:{{{idle.id}}}:messages") == 0
 
@@ -149,3 +154,43 @@ async def test_idle_ttl_expires_sessions_and_listing_prunes_them(redis_server, p
         assert len(await store.get_messages(tenant.id, active.id)) == 13
     finally:
         await store.close()
+
+
+async def test_listing_returns_summaries_and_never_reads_token_histories(store: Store, raw):
+    tenant = await new_tenant(store)
+    long_history = list(range(5000))
+    ids = [
+        (await store.create_session(tenant.id, None, "sys", long_history, {"n": str(n)})).id
+        for n in range(3)
+    ]
+    # Token histories the listing would choke on, were it to read them.
+    for sid in ids:
+        await raw.set(store.keys.session_tokens(sid), b"\xc1 not msgpack")
+    page, cursor = await store.list_sessions(tenant.id)
+    assert [s.id for s in page] == ids[::-1] and cursor is None
+    assert all(not hasattr(s, "token_ids") and s.num_tokens == 5000 for s in page)
+    assert [s.metadata for s in page] == [{"n": "2"}, {"n": "1"}, {"n": "0"}]
+
+
+async def test_a_page_ends_early_at_its_byte_budget_and_paging_sees_each_once(store: Store):
+    tenant = await new_tenant(store)
+    big = {f"k{i}": "x" * 4000 for i in range(4)}  # ~16 KB of metadata per session
+    ids = [(await store.create_session(tenant.id, None, None, None, big)).id for _ in range(10)]
+    budget = 40_000  # two of them fit, a third does not
+    seen, pages, cursor = [], [], None
+    while True:
+        page, cursor = await store.list_sessions(
+            tenant.id, limit=100, cursor=cursor, max_bytes=budget
+        )
+        pages.append(page)
+        seen += [s.id for s in page]
+        if cursor is None:
+            break
+    assert seen == ids[::-1]
+    assert [len(p) for p in pages] == [2, 2, 2, 2, 2]
+    assert all(sum(summary_size(s) for s in p) <= budget for p in pages)
+    # A summary bigger than the whole budget still comes, alone, so paging advances.
+    page, cursor = await store.list_sessions(tenant.id, limit=100, max_bytes=10)
+    assert [s.id for s in page] == [ids[-1]] and cursor is not None
+    with pytest.raises(ValueError, match="max_bytes"):
+        await store.list_sessions(tenant.id, max_bytes=0)

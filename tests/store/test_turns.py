@@ -2,13 +2,14 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import redis
 
-from chatsvc.store import SessionBusyError, Store, StoreUnavailableError
-from chatsvc.store.records import MessageRecord
+from chatsvc.store import SessionBusyError, Store
+from chatsvc.store.records import MessageRecord, SessionSummary, decode, encode
 from chatsvc.store.sessions import SessionStore
-from tests.store.helpers import new_tenant, turn
+from tests.store.helpers import append, new_tenant, turn
 
 pytestmark = pytest.mark.anyio
 
@@ -17,7 +18,7 @@ async def test_append_turn_keeps_text_tokens_usage_and_history(store: Store):
     tenant = await new_tenant(store)
     session = await store.create_session(tenant.id, None, "sys", [7, 8], {})
     for n in range(3):
-        updated = await store.append_turn(tenant.id, session.id, *turn(n))
+        updated = await append(store, tenant.id, session.id, *turn(n))
     assert updated.num_messages == 7
     assert updated.updated_at >= session.updated_at
 
@@ -39,7 +40,7 @@ async def test_append_turn_with_explicit_token_history(store: Store):
     tenant = await new_tenant(store)
     session = await store.create_session(tenant.id, None, "sys", [7, 8], {})
     # A template that re-renders history hands over the whole new token list.
-    updated = await store.append_turn(tenant.id, session.id, *turn(0), token_ids=[9, 9, 9])
+    updated = await append(store, tenant.id, session.id, *turn(0), token_ids=[9, 9, 9])
     assert updated.token_ids == [9, 9, 9]
     assert (await store.get_session(tenant.id, session.id)).token_ids == [9, 9, 9]
 
@@ -49,12 +50,12 @@ async def test_append_turn_rejects_bad_messages_without_writing(store: Store):
     session = await store.create_session(tenant.id, None, "sys", [1], {})
     user, assistant = turn(0)
     with pytest.raises(ValueError, match="role"):
-        await store.append_turn(tenant.id, session.id, assistant, user)
+        await append(store, tenant.id, session.id, assistant, user)
     bad = MessageRecord(role="assistant", text="x", token_ids=[1, "2"])
     with pytest.raises(ValueError, match="token_ids"):
-        await store.append_turn(tenant.id, session.id, user, bad)
+        await append(store, tenant.id, session.id, user, bad)
     with pytest.raises(TypeError):
-        await store.append_turn(tenant.id, session.id, user, {"role": "assistant"})
+        await append(store, tenant.id, session.id, user, {"role": "assistant"})
     assert (await store.get_session(tenant.id, session.id)) == session
     assert len(await store.get_messages(tenant.id, session.id)) == 1
 
@@ -118,8 +119,8 @@ async def test_turn_lock_of_a_dead_holder_expires_and_is_extended_while_held(red
         await other.close()
 
 
-def _interfere_before_exec(monkeypatch, action, times: int) -> list[int]:
-    """Run ``action`` (blocking) inside append_turn, after WATCH and before EXEC."""
+def _interfere_before_commit(monkeypatch, action, times: int) -> list[int]:
+    """Run ``action`` (blocking) inside append_turn, after its read and before its write."""
     original = SessionStore._after_turn
     calls = []
 
@@ -133,25 +134,31 @@ def _interfere_before_exec(monkeypatch, action, times: int) -> list[int]:
     return calls
 
 
-async def test_rival_write_between_watch_and_exec_aborts_then_retries(
+async def test_rival_write_between_read_and_commit_is_redone_from_a_fresh_read(
     store: Store, redis_server, prefix, monkeypatch
 ):
     tenant = await new_tenant(store)
     session = await store.create_session(tenant.id, None, "sys", [1], {})
     key = f"{prefix}:session:{{{session.id}}}"
     rival = redis.Redis.from_url(redis_server.url)
-    # Any write to the watched record, even of the same bytes, must void our EXEC.
-    calls = _interfere_before_exec(monkeypatch, lambda: rival.set(key, rival.get(key)), times=1)
+
+    def rewrite() -> None:
+        # Another writer changes the summary (here: its metadata) under our feet.
+        changed = msgspec.structs.replace(
+            decode(SessionSummary, rival.get(key)), metadata={"rival": "1"}
+        )
+        rival.set(key, encode(changed))
+
+    calls = _interfere_before_commit(monkeypatch, rewrite, times=1)
     try:
-        updated = await store.append_turn(tenant.id, session.id, *turn(1))
+        updated = await append(store, tenant.id, session.id, *turn(1))
     finally:
         rival.close()
-    assert len(calls) == 2  # first EXEC aborted, second applied
+    assert len(calls) == 2  # the first commit saw a changed summary and wrote nothing
     messages = await store.get_messages(tenant.id, session.id)
     assert [m.text for m in messages] == ["sys", "question 1", "answer 1"]
-    assert (
-        updated.num_messages == 3 == (await store.get_session(tenant.id, session.id)).num_messages
-    )
+    stored = await store.get_session(tenant.id, session.id)
+    assert updated == stored and stored.num_messages == 3 and stored.metadata == {"rival": "1"}
 
 
 def _kill_clients_named(url: str, name: str):
@@ -167,24 +174,19 @@ def _kill_clients_named(url: str, name: str):
     return kill
 
 
-async def test_connection_killed_before_exec_writes_nothing(redis_server, prefix, monkeypatch):
+async def test_connection_killed_before_the_commit_commits_once(redis_server, prefix, monkeypatch):
+    # The commit carries its own checks, so a connection lost before it is sent
+    # just reconnects (a WATCH would have died with the connection).
     store = await Store.connect(redis_server.url, prefix=prefix, client_name=f"victim-{prefix}")
     try:
         tenant = await new_tenant(store)
         session = await store.create_session(tenant.id, None, "sys", [1], {})
         kill = _kill_clients_named(redis_server.url, f"victim-{prefix}")
-        _interfere_before_exec(monkeypatch, kill, times=1000)
-        with pytest.raises(StoreUnavailableError, match="nothing was written"):
-            await store.append_turn(tenant.id, session.id, *turn(1))
-        monkeypatch.undo()
-        # Not one of the queued commands was applied.
-        assert await store.get_session(tenant.id, session.id) == session
-        assert [m.text for m in await store.get_messages(tenant.id, session.id)] == ["sys"]
-
-        # Killed once, the turn goes through on the retry, exactly once.
-        _interfere_before_exec(monkeypatch, kill, times=1)
-        await store.append_turn(tenant.id, session.id, *turn(2))
+        calls = _interfere_before_commit(monkeypatch, kill, times=1)
+        await append(store, tenant.id, session.id, *turn(2))
+        assert len(calls) == 1
         texts = [m.text for m in await store.get_messages(tenant.id, session.id)]
         assert texts == ["sys", "question 2", "answer 2"]
+        assert (await store.get_session(tenant.id, session.id)).num_messages == 3
     finally:
         await store.close()

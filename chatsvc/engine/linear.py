@@ -1,0 +1,114 @@
+"""The linear layers of the forward pass, one variant per weight layout.
+
+    layout   weights                                    matmuls
+    plain    the ``[out, in]`` matrices as loaded       F.linear, addmm
+    onednn   prepacked in oneDNN's blocked layout       torch's oneDNN linears (CPU, fp32/bf16)
+    tiles    packed for the CPU's tile unit (AMX)       ``kernels.tile_linear`` (bf16, native)
+
+A model picks its layout once, at load (``choose_layout``), packs its matrices with
+that variant's ``pack`` and runs every projection through its ``linear`` /
+``linear_add`` (the residual add fused into the matmul). Whether the tile unit may
+run the linears is the kernels' decision (``kernels.backend.tile_linears_available``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import tile_linears_available
+from kernels.tile_linear import TileWeight, pack_tile_weight
+from kernels.tile_linear import tile_linear as _tile_linear
+
+WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
+
+
+class Linears(NamedTuple):
+    """One layout's weight packing and matmuls."""
+
+    layout: str
+    pack: Callable[[torch.Tensor], Any]  # [out, in] -> the layout's weight (same shape)
+    linear: Callable[..., torch.Tensor]  # (x, weight, bias=None) -> x @ weight^T + bias
+    linear_add: Callable[..., torch.Tensor]  # (x, weight, residual) -> residual + x @ weight^T
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN weight prepacking is available: a CPU build with mkldnn, fp32 or bf16."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def choose_layout(choice: bool | str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """A model's ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``: a layout by name, True
+    or None = the first of tiles and onednn available here (None: plain where neither
+    is), False = plain. Raises ``ValueError`` for a layout not available here."""
+    tiles = tile_linears_available(device, dtype)
+    onednn = can_prepack(device, dtype)
+    if choice is False:
+        return "plain"
+    if choice is None or choice is True:
+        if tiles or onednn:
+            return "tiles" if tiles else "onednn"
+        if choice is None:
+            return "plain"
+        raise ValueError("weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)")
+    if choice not in WEIGHT_LAYOUTS:
+        raise ValueError(f"prepack_weights must be a bool, None or one of {WEIGHT_LAYOUTS}")
+    if (choice == "tiles" and not tiles) or (choice == "onednn" and not onednn):
+        raise ValueError(f"the {choice!r} weight layout is not available for {dtype} on {device}")
+    return choice
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a plain weight."""
+    return F.linear(x, weight, bias)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ weight^T`` in one call (addmm), a plain weight."""
+    return torch.addmm(residual, x, weight.t())
+
+
+def prepack(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor:
+    """A ``[out, in]`` weight in oneDNN's blocked layout, so no matmul reorders it per call.
+
+    The hint only picks the layout; any number of input rows works.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``prepack``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def packed_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a weight from ``prepack``."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")
+
+
+def tile_linear(x: torch.Tensor, weight: TileWeight, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``kernels.tile_linear.pack_tile_weight``."""
+    return _tile_linear(x, weight, bias)
+
+
+def tile_linear_add(x: torch.Tensor, weight: TileWeight, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a tile-packed weight."""
+    return _tile_linear(x, weight, None, residual)
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+LINEARS = {
+    "plain": Linears("plain", _plain, linear, linear_add),
+    "onednn": Linears("onednn", prepack, packed_linear, packed_linear_add),
+    "tiles": Linears("tiles", pack_tile_weight, tile_linear, tile_linear_add),
+}

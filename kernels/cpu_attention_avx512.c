@@ -1,0 +1,149 @@
+/* The widening loops on AVX-512: every dtype, and bf16 where the CPU has no
+ * AVX512-BF16 (or the item is one the dot-pair path does not take). Per 16-key tile
+ * and KV head, K is widened to fp32 and transposed in registers (16x16 shuffles), so
+ * a query row's 16 scores are D broadcast multiply-adds with no horizontal sums (up
+ * to four rows of a head share each key load); an online softmax in exp2; then
+ * acc = acc * alpha + p . V in D / 16 independent chains. The portable twin of this
+ * file is cpu_attention_portable.c; see cpu_attention.h for the item walk's pieces. */
+
+#include "cpu_attention.h"
+
+#if defined(__AVX512F__)
+
+static inline __m512 load16_f32(const void *base, int64_t offset, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n), so a query
+ * row's scores are D broadcast-multiply-adds of whole vectors, with no
+ * horizontal sums. */
+static inline void load_k_transposed(const Args *a, const int64_t *offsets, int n, int D,
+                                     float *restrict kt) {
+    if (D % TILE == 0) {
+        for (int c = 0; c < D; c += TILE) {
+            __m512 r[TILE];
+            for (int t = 0; t < TILE; t++)
+                r[t] = t < n ? load16_f32(a->k, offsets[t] + c, a->dtype) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int j = 0; j < TILE; j++) _mm512_store_ps(kt + (int64_t)(c + j) * TILE, r[j]);
+        }
+        return;
+    }
+    float row[D];
+    for (int t = 0; t < TILE; t++) {
+        const float *src = t < n ? row_f32(a->k, offsets[t], D, a->dtype, row) : NULL;
+        for (int d = 0; d < D; d++) kt[(int64_t)d * TILE + t] = src ? src[d] : 0.0f;
+    }
+}
+
+/* Scores of R query rows against the transposed key tile: each row keeps two
+ * partial sums (even and odd d) and the R rows share every key load, so 2R
+ * independent chains of multiply-adds keep the FMA units busy. */
+static inline __attribute__((always_inline)) void scores_rows(const float *const *rows,
+                                                              const float *kt, const int D,
+                                                              const int R, __m512 *out) {
+    __m512 even[4], odd[4];
+    for (int j = 0; j < R; j++) even[j] = odd[j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 2) {
+        const __m512 k0 = _mm512_load_ps(kt + d * TILE);
+        const __m512 k1 = _mm512_load_ps(kt + (d + 1) * TILE);
+        for (int j = 0; j < R; j++) {
+            even[j] = _mm512_fmadd_ps(_mm512_set1_ps(rows[j][d]), k0, even[j]);
+            odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(rows[j][d + 1]), k1, odd[j]);
+        }
+    }
+    for (int j = 0; j < R; j++) out[j] = _mm512_add_ps(even[j], odd[j]);
+}
+
+/* acc = acc * alpha + sum_t p[t] V[t]: the D / 16 chunks are independent chains. Each
+ * weight is broadcast from the register holding p (a store and scalar reloads would
+ * stall on store forwarding). */
+static inline __attribute__((always_inline)) void accumulate_row(float *acc, float alpha,
+                                                                 __m512 p, int seen,
+                                                                 const float *v_tile,
+                                                                 const int D) {
+    __m512 x[D / 16];
+    for (int c = 0; c < D / 16; c++)
+        x[c] = _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(alpha));
+    for (int t = 0; t < seen; t++) {
+        const __m512 weight = _mm512_permutexvar_ps(_mm512_set1_epi32(t), p);
+        for (int c = 0; c < D / 16; c++)
+            x[c] = _mm512_fmadd_ps(weight, _mm512_load_ps(v_tile + t * D + 16 * c), x[c]);
+    }
+    for (int c = 0; c < D / 16; c++) _mm512_store_ps(acc + 16 * c, x[c]);
+}
+
+/* One key tile of one KV head against the rows of that head. */
+static inline __attribute__((always_inline)) void tile_head(
+    const Args *a, const int64_t *offsets, int n, const int D, const float *q, float *acc,
+    float *m, float *l, float *kt, float *v_tile, int32_t prefix, int32_t first, int q_begin,
+    int q_end, int h) {
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    load_k_transposed(a, offsets, n, D, kt);
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < D; c += 16)
+            _mm512_store_ps(v_tile + t * D + c, load16_f32(a->v, offsets[t] + c, a->dtype));
+    for (int i = q_begin; i < q_end; i++) {
+        int seen = prefix + i - first + 1;
+        if (seen <= 0) continue;
+        seen = seen > n ? n : seen;
+        const __mmask16 live = (__mmask16)((1u << seen) - 1u);
+        const int first_row = (i - q_begin) * Hq + h * G;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int R = G - g0 < 4 ? G - g0 : 4;
+            const float *rows[4];
+            __m512 scores[4];
+            for (int j = 0; j < R; j++) rows[j] = q + (int64_t)(first_row + g0 + j) * D;
+            switch (R) { /* literal row counts: the row loops unroll into registers */
+                case 1: scores_rows(rows, kt, D, 1, scores); break;
+                case 2: scores_rows(rows, kt, D, 2, scores); break;
+                case 3: scores_rows(rows, kt, D, 3, scores); break;
+                default: scores_rows(rows, kt, D, 4, scores); break;
+            }
+            for (int j = 0; j < R; j++) {
+                const int r = first_row + g0 + j;
+                const float tile_top = _mm512_mask_reduce_max_ps(live, scores[j]);
+                const float top = tile_top > m[r] ? tile_top : m[r];
+                const __m512 p = _mm512_maskz_mov_ps(
+                    live, exp2_nonpositive16(_mm512_sub_ps(scores[j], _mm512_set1_ps(top))));
+                float alpha;
+                update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(p), &alpha);
+                accumulate_row(acc + (int64_t)r * D, alpha, p, seen, v_tile, D);
+            }
+        }
+    }
+}
+
+/* One item, 16 keys per step, the next block prefetched while one is used. */
+static inline __attribute__((always_inline)) void walk(const Args *a, const Item *it,
+                                                       float *scratch, float *partials,
+                                                       const int D) {
+    ItemState s = item_begin(a, it, scratch, D, 0);
+    const int bs = a->block_size;
+    int64_t offsets[TILE];
+    for (int32_t first = it->key_begin; first < s.stop; first += TILE) {
+        const int n = s.stop - first < TILE ? s.stop - first : TILE;
+        const int32_t ahead = first + (bs > TILE ? bs : TILE);
+        if (ahead < s.stop && (first & (bs - 1)) == 0)
+            prefetch_block(a, (int64_t)s.table[ahead / bs] * a->kv_stride_block);
+        for (int h = 0; h < a->num_kv_heads; h++) {
+            item_offsets(a, s.table, first, n, h, offsets);
+            tile_head(a, offsets, n, D, s.q, s.acc, s.m, s.l, s.kt, s.v_tile, s.prefix, first,
+                      it->q_begin, it->q_end, h);
+        }
+    }
+    item_end(a, it, &s, partials, D, 0);
+}
+
+void attend_widening(const Args *a, const Item *it, float *scratch, float *partials,
+                     int head_dim) {
+    switch (head_dim) {
+        case 64: walk(a, it, scratch, partials, 64); break;
+        case 128: walk(a, it, scratch, partials, 128); break;
+        default: walk(a, it, scratch, partials, head_dim); break;
+    }
+}
+
+#endif

@@ -1,0 +1,97 @@
+/* The widening loops in portable C: builds whose target has no AVX-512 (elsewhere
+ * than x86, or -mno-avx512f). K and V rows are widened to fp32 (in place for fp32),
+ * K transposed per 16-key tile so a row's scores are plain vector loops the compiler
+ * vectorises, then the online softmax and acc = acc * alpha + p . V per row. The
+ * AVX-512 twin of this file is cpu_attention_avx512.c; see cpu_attention.h for the
+ * item walk's pieces. */
+
+#include "cpu_attention.h"
+
+#if !defined(__AVX512F__)
+
+/* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n), so a query
+ * row's scores are D multiply-adds of whole tiles, with no horizontal sums. */
+static inline void load_k_transposed(const Args *a, const int64_t *offsets, int n, int D,
+                                     float *restrict kt) {
+    float row[D];
+    for (int t = 0; t < TILE; t++) {
+        const float *src = t < n ? row_f32(a->k, offsets[t], D, a->dtype, row) : NULL;
+        for (int d = 0; d < D; d++) kt[(int64_t)d * TILE + t] = src ? src[d] : 0.0f;
+    }
+}
+
+/* One key tile of one KV head against the rows of that head. */
+static inline __attribute__((always_inline)) void tile_head(
+    const Args *a, const int64_t *offsets, int n, const int D, const float *q, float *acc,
+    float *m, float *l, float *kt, float *v_tile, int32_t prefix, int32_t first, int q_begin,
+    int q_end, int h) {
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    const float *v_rows[TILE];
+    load_k_transposed(a, offsets, n, D, kt);
+    for (int t = 0; t < n; t++)
+        v_rows[t] = row_f32(a->v, offsets[t], D, a->dtype, v_tile + (int64_t)t * D);
+    for (int i = q_begin; i < q_end; i++) {
+        int seen = prefix + i - first + 1;
+        if (seen <= 0) continue;
+        seen = seen > n ? n : seen;
+        for (int g = 0; g < G; g++) {
+            const int r = (i - q_begin) * Hq + h * G + g;
+            const float *restrict qr = q + (int64_t)r * D;
+            float w[TILE] = {0};
+            for (int d = 0; d < D; d++) {
+                const float *restrict kd = kt + (int64_t)d * TILE;
+#pragma omp simd
+                for (int t = 0; t < TILE; t++) w[t] += qr[d] * kd[t];
+            }
+            float top = m[r];
+            for (int t = 0; t < seen; t++) top = w[t] > top ? w[t] : top;
+            float sum = 0.0f;
+            for (int t = 0; t < seen; t++) {
+                w[t] = exp2_nonpositive(w[t] - top);
+                sum += w[t];
+            }
+            float alpha;
+            update_row(top, &m[r], &l[r], sum, &alpha);
+            float *restrict ar = acc + (int64_t)r * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) ar[d] *= alpha;
+            for (int t = 0; t < seen; t++) {
+                const float *restrict vr = v_rows[t];
+#pragma omp simd
+                for (int d = 0; d < D; d++) ar[d] += w[t] * vr[d];
+            }
+        }
+    }
+}
+
+/* One item, 16 keys per step, the next block prefetched while one is used. */
+static inline __attribute__((always_inline)) void walk(const Args *a, const Item *it,
+                                                       float *scratch, float *partials,
+                                                       const int D) {
+    ItemState s = item_begin(a, it, scratch, D, 0);
+    const int bs = a->block_size;
+    int64_t offsets[TILE];
+    for (int32_t first = it->key_begin; first < s.stop; first += TILE) {
+        const int n = s.stop - first < TILE ? s.stop - first : TILE;
+        const int32_t ahead = first + (bs > TILE ? bs : TILE);
+        if (ahead < s.stop && (first & (bs - 1)) == 0)
+            prefetch_block(a, (int64_t)s.table[ahead / bs] * a->kv_stride_block);
+        for (int h = 0; h < a->num_kv_heads; h++) {
+            item_offsets(a, s.table, first, n, h, offsets);
+            tile_head(a, offsets, n, D, s.q, s.acc, s.m, s.l, s.kt, s.v_tile, s.prefix, first,
+                      it->q_begin, it->q_end, h);
+        }
+    }
+    item_end(a, it, &s, partials, D, 0);
+}
+
+void attend_widening(const Args *a, const Item *it, float *scratch, float *partials,
+                     int head_dim) {
+    switch (head_dim) {
+        case 64: walk(a, it, scratch, partials, 64); break;
+        case 128: walk(a, it, scratch, partials, 128); break;
+        default: walk(a, it, scratch, partials, head_dim); break;
+    }
+}
+
+#endif

@@ -1,0 +1,51 @@
+"""Which kernels run a forward step: ``bind_step``, the one entry the model calls.
+
+    ops = bind_step(batch, kv_pool, dims)     # once per step
+    for each layer:  ops.rms_norm, ops.rope_, ops.write_kv, ops.attention, ops.swiglu
+
+``kernels.backend.choose_kernels`` decides the backend for the pool's device, dtype
+and head size (``CHATSVC_KERNEL_BACKEND`` / ``backend=``; see there), and the
+backend's module binds the step, building the per-step metadata its kernels want:
+
+    native   kernels.step_native.NativeStep   C kernels; attention runs up to the
+                                              routing limit in C, longer ones in
+                                              torch SDPA groups built here
+    torch    kernels.step_torch.TorchStep     torch references; SDPA groups and the
+                                              slot split built here
+    triton   kernels.step_triton.TritonStep   Triton; decode or extend kernel per step
+
+The public per-op functions in ``kernels`` decide through the same
+``kernels.backend`` functions, call by call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import backend as backends
+from kernels.step_native import NativeStep
+from kernels.step_ops import StepBatch, StepDims, StepOps
+from kernels.step_torch import TorchStep
+from kernels.step_triton import TritonStep
+
+__all__ = ["StepBatch", "StepDims", "StepOps", "bind_step"]
+
+STEP_OPS: dict[str, type[StepOps]] = {
+    NativeStep.backend: NativeStep,
+    TorchStep.backend: TorchStep,
+    TritonStep.backend: TritonStep,
+}
+
+
+def bind_step(
+    batch: StepBatch, kv_pool: torch.Tensor, dims: StepDims, backend: str | None = None
+) -> StepOps:
+    """The kernels of one step over ``kv_pool [N, L, 2, block_size, H_kv, D]`` for all its
+    layers, on ``backend`` (None: the environment's choice, else ``"auto"``).
+
+    ``batch``'s value ranges must have been checked against the pool (the model does,
+    once per step); shapes are checked here. Raises ``ValueError`` for a backend that
+    cannot run here or a batch that does not fit the pool.
+    """
+    choice = backends.choose_kernels(kv_pool.device, kv_pool.dtype, kv_pool.shape[-1], backend)
+    return STEP_OPS[choice.backend](batch, kv_pool, dims, choice)

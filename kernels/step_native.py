@@ -1,0 +1,99 @@
+"""A step on the native backend: the C kernels (``kernels/cpu_*.c``), called directly.
+
+The public functions resolve the backend and check their arguments in every call,
+seven calls per layer; on the CPU that costs more than the element-wise kernels
+themselves. Here the library, the team size, the index tensors in the dtypes the C
+code reads, and the pool's strides are resolved once per step, and each layer's
+call checks its row count and layer id and launches. The step's attention metadata
+lists the sequences the C attention takes (up to ``native_max_query`` new tokens)
+and groups the longer runs for the torch path's SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import native
+from kernels.backend import KernelChoice, native_takes
+from kernels.cpu_attention import launch_attention
+from kernels.extend_attention import attend_groups
+from kernels.extend_metadata import ExtendMetadata, extend_metadata
+from kernels.rms_norm import rms_norm_native
+from kernels.rope import apply_rope_native
+from kernels.step_ops import StepBatch, StepDims, StepOps
+from kernels.swiglu import swiglu_native
+from kernels.write_kv import launch_write_kv
+
+
+class NativeStep(StepOps):
+    """See the module docstring; built by ``kernels.step.bind_step``."""
+
+    backend = "native"
+
+    def __init__(
+        self, batch: StepBatch, kv_pool: torch.Tensor, dims: StepDims, choice: KernelChoice
+    ) -> None:
+        super().__init__(batch, kv_pool, dims)
+        if not native_takes(kv_pool.device, kv_pool.dtype, kv_pool.shape[5]):
+            raise ValueError(
+                f"the native kernels take CPU fp32/bf16 pools with head_dim a multiple of 16 "
+                f"up to 256, got {kv_pool.device} {kv_pool.dtype} head_dim {kv_pool.shape[5]}"
+            )
+        num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+        self.metadata: ExtendMetadata = extend_metadata(
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.context_lens,
+            kv_pool.shape[3],
+            dims.num_q_heads // num_kv_heads,
+            num_kv_heads * head_dim * kv_pool.element_size(),
+            kv_pool.dtype,
+            native_max_query=choice.native_max_query,
+        )
+        self._lib = native.require()
+        self._threads = torch.get_num_threads()
+        # In the dtypes the C kernels read, once for every layer.
+        self._slots = batch.slot_mapping.to(torch.int64).contiguous()
+        self._tables = batch.block_tables.to(torch.int32).contiguous()
+        self._starts = batch.query_start_loc.to(torch.int32).contiguous()
+        self._lens = batch.context_lens.to(torch.int32).contiguous()
+        self._seqs = self.metadata.native_seqs.to(torch.int32).contiguous()
+        # A layer's K and V by address: the layer views' pointers without the views.
+        item = kv_pool.element_size()
+        self._layer_bytes, self._v_bytes = kv_pool.stride(1) * item, kv_pool.stride(2) * item
+        self._cache_strides = (kv_pool.stride(0), kv_pool.stride(3), kv_pool.stride(4))
+
+    def _caches(self, layer: int) -> tuple[int, int]:
+        self.check_layer(layer)
+        k_ptr = self.kv_pool.data_ptr() + layer * self._layer_bytes
+        return k_ptr, k_ptr + self._v_bytes
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm_native(x, weight, self.eps, lib=self._lib, num_threads=self._threads)
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.check_rows(x, "rope_")
+        self.check_rows(cos, "rope_")
+        apply_rope_native(x, cos, sin, lib=self._lib, num_threads=self._threads)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu_native(gate_up, lib=self._lib, num_threads=self._threads)
+
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.check_kv(key, value)
+        block_size = self.kv_pool.shape[3]
+        args = (self._caches(layer), self._cache_strides, self._slots, block_size)
+        launch_write_kv(self._lib, key, value, *args)
+
+    def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        self.check_query(query)
+        out = torch.empty_like(query)
+        if self._seqs.numel():
+            pool = self.kv_pool
+            layout = (self._caches(layer), self._cache_strides, pool.shape[3], pool.shape[4])
+            indices = (self._tables, self._starts, self._lens, self._seqs)
+            launch_attention(self._lib, query, *layout, *indices, self.scale, out)
+        if self.metadata.groups:
+            k_cache, v_cache = self.layer_caches(layer)
+            attend_groups(query, k_cache, v_cache, self.metadata, self.scale, out)
+        return out

@@ -1,0 +1,66 @@
+"""A step on the torch backend: the torch references, with the step's metadata built once.
+
+Every layer writes to the same slots and attends over the same tables, so the split
+of slots into (block, offset) (``kernels.step_metadata.write_index``) and the SDPA
+groups with their gather ids and masks (``kernels.extend_metadata``) are built here
+once for all layers. A decode is the step whose sequences all have one new token:
+the groups then hold decodes only, with one key mask per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import KernelChoice
+from kernels.extend_attention import attend_groups
+from kernels.extend_metadata import ExtendMetadata, extend_metadata
+from kernels.rms_norm import rms_norm_torch
+from kernels.rope import apply_rope_torch
+from kernels.step_metadata import WriteIndex, write_index
+from kernels.step_ops import StepBatch, StepDims, StepOps
+from kernels.swiglu import swiglu_torch
+from kernels.write_kv import write_kv_torch
+
+
+class TorchStep(StepOps):
+    """See the module docstring; built by ``kernels.step.bind_step``."""
+
+    backend = "torch"
+
+    def __init__(
+        self, batch: StepBatch, kv_pool: torch.Tensor, dims: StepDims, choice: KernelChoice
+    ) -> None:
+        super().__init__(batch, kv_pool, dims)
+        num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+        self.metadata: ExtendMetadata = extend_metadata(
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.context_lens,
+            kv_pool.shape[3],
+            dims.num_q_heads // num_kv_heads,
+            num_kv_heads * head_dim * kv_pool.element_size(),
+            kv_pool.dtype,
+        )
+        self.write_index: WriteIndex = write_index(batch.slot_mapping, kv_pool.shape[3])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm_torch(x, weight, self.eps)
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.check_rows(x, "rope_")
+        apply_rope_torch(x, cos, sin)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu_torch(gate_up)
+
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.check_kv(key, value)
+        k_cache, v_cache = self.layer_caches(layer)
+        write_kv_torch(k_cache, v_cache, key, value, self.batch.slot_mapping, self.write_index)
+
+    def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        self.check_query(query)
+        k_cache, v_cache = self.layer_caches(layer)
+        out = torch.empty_like(query)
+        attend_groups(query, k_cache, v_cache, self.metadata, self.scale, out)
+        return out

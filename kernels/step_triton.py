@@ -1,0 +1,60 @@
+"""A step on the triton backend (CUDA; CPU tensors under Triton's interpreter).
+
+Triton's kernels read the step's raw index tensors themselves, so no metadata is
+built. A decode step (every sequence one new token) runs the decode kernel, which
+splits long contexts across programs (flash-decoding); other steps the extend
+kernel, its grid sized by the batch's ``max_query_len`` (no host sync). The
+element-wise layers run their torch code, as the public functions do on this backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_inputs import AttentionInputs
+from kernels.backend import KernelChoice
+from kernels.decode_attention import paged_decode_attention_triton
+from kernels.extend_attention import paged_extend_attention_triton
+from kernels.rms_norm import rms_norm_torch
+from kernels.rope import apply_rope_torch
+from kernels.step_ops import StepBatch, StepDims, StepOps
+from kernels.swiglu import swiglu_torch
+from kernels.write_kv import write_kv_triton
+
+
+class TritonStep(StepOps):
+    """See the module docstring; built by ``kernels.step.bind_step``."""
+
+    backend = "triton"
+
+    def __init__(
+        self, batch: StepBatch, kv_pool: torch.Tensor, dims: StepDims, choice: KernelChoice
+    ) -> None:
+        super().__init__(batch, kv_pool, dims)
+        self._starts = None if batch.is_decode else batch.query_start_loc
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm_torch(x, weight, self.eps)
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.check_rows(x, "rope_")
+        apply_rope_torch(x, cos, sin)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu_torch(gate_up)
+
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.check_kv(key, value)
+        k_cache, v_cache = self.layer_caches(layer)
+        write_kv_triton(k_cache, v_cache, key, value, self.batch.slot_mapping)
+
+    def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        self.check_query(query)
+        k_cache, v_cache = self.layer_caches(layer)
+        b = self.batch
+        inputs = AttentionInputs(
+            query, k_cache, v_cache, b.block_tables, self._starts, b.context_lens, self.scale
+        )
+        if self._starts is None:
+            return paged_decode_attention_triton(inputs)
+        return paged_extend_attention_triton(inputs, b.max_query_len)
