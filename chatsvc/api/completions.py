@@ -32,6 +32,7 @@ from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import InvalidRequestError, documented_errors
 from chatsvc.api.openai_compat import check_model
 from chatsvc.api.openai_sampling import build_sampling
+from chatsvc.api.openapi_streams import StreamingOperation
 
 # OpenAI's (and vLLM's) default for this endpoint.
 DEFAULT_MAX_TOKENS = 16
@@ -53,6 +54,7 @@ class CompletionsController(Controller):
         "/completions",
         summary="Text completion (OpenAI's legacy format)",
         status_code=200,
+        operation_class=StreamingOperation,
         responses={
             200: ResponseSpec(
                 Completion,
