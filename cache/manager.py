@@ -125,22 +125,26 @@ class KVCacheManager:
         self._check_prompt(tokens, namespace)
         return len(self._match(tokens, namespace)) * self.block_size
 
-    def match_prefix(self, token_ids, namespace: Namespace) -> PrefixMatch:
+    def match_prefix(
+        self, token_ids, namespace: Namespace, reuse_prefix: bool = True
+    ) -> PrefixMatch:
         """Cached prefix, the pending blocks right after it, and the blocks needed.
 
         Pending tokens are those whose blocks another live sequence was
         allocated for and has not computed yet; admitting this prompt once they
-        are written turns them into cache hits. Changes nothing.
+        are written turns them into cache hits. ``reuse_prefix=False``: what
+        ``allocate(..., reuse_prefix=False)`` would do (no match, nothing pending).
+        Changes nothing.
         """
         tokens = _checked_tokens(token_ids)
         self._check_prompt(tokens, namespace)
-        matched = self._match(tokens, namespace)
+        matched = self._match(tokens, namespace) if reuse_prefix else []
         num_pending = 0
-        if self.enable_prefix_cache:
+        if self.enable_prefix_cache and reuse_prefix:
             parent_hash = matched[-1].hash if matched else ROOT_HASH
             num_pending = self.pending.extent(tokens, namespace, len(matched), parent_hash)
         bs = self.block_size
-        num_disk = len(self._match_disk(tokens, namespace, matched))
+        num_disk = len(self._match_disk(tokens, namespace, matched)) if reuse_prefix else 0
         return PrefixMatch(
             len(matched) * bs,
             num_pending * bs,
@@ -169,7 +173,14 @@ class KVCacheManager:
 
     # -- prompt admission ---------------------------------------------------------
 
-    def allocate(self, seq_id, token_ids, namespace: Namespace, owner: bytes = b"") -> AllocResult:
+    def allocate(
+        self,
+        seq_id,
+        token_ids,
+        namespace: Namespace,
+        owner: bytes = b"",
+        reuse_prefix: bool = True,
+    ) -> AllocResult:
         """Map the longest cached prefix of the prompt and allocate the rest.
 
         The block holding the last prompt token is never matched: its KV must be
@@ -177,20 +188,24 @@ class KVCacheManager:
         when free + evictable device blocks do not suffice. Blocks the disk tier
         holds right after the memory prefix come back as ``loads`` (in the
         sequence's fresh blocks); ``owner`` tags the blocks it will index.
+        ``reuse_prefix=False`` matches nothing in any tier (every prompt token is
+        computed, e.g. for its logits) and records no lookup; the blocks still
+        enter the index once computed.
         """
         if seq_id in self._seqs:
             raise DuplicateSequenceError(seq_id)
         tokens = _checked_tokens(token_ids)
         self._check_prompt(tokens, namespace)
-        matched = self._match(tokens, namespace)
+        matched = self._match(tokens, namespace) if reuse_prefix else []
         needed = self._blocks_needed(tokens, matched)
         if needed > self.tiers.num_available:
             raise OutOfBlocksError(needed, self.tiers.num_available, f"prompt of {seq_id!r}")
-        on_disk = self._match_disk(tokens, namespace, matched)
+        on_disk = self._match_disk(tokens, namespace, matched) if reuse_prefix else []
 
         tiers = self.tiers
         tick = tiers.index.advance()
-        self._record_lookup(tokens, namespace, matched)
+        if reuse_prefix:
+            self._record_lookup(tokens, namespace, matched)
         plan = PlanBuilder()
         table = BlockTable()
         host_nodes = [node for node in matched if node.location == HOST]

@@ -14,6 +14,7 @@ import chatsvc
 from chatsvc.api.admin import AdminController
 from chatsvc.api.auth import provide_tenant
 from chatsvc.api.body_timeout import body_timeout_middleware
+from chatsvc.api.completions import CompletionsController
 from chatsvc.api.content_type import json_only_middleware
 from chatsvc.api.errors import EXCEPTION_HANDLERS
 from chatsvc.api.health import healthz, readyz
@@ -22,6 +23,7 @@ from chatsvc.api.messages import MessageController
 from chatsvc.api.openai_compat import OpenAIController
 from chatsvc.api.sessions import SessionController
 from chatsvc.api.system_prompts import SystemPromptController
+from chatsvc.api.tokenize import TokenizeController
 from chatsvc.config import Settings
 from chatsvc.logs import RequestIdMiddleware
 from chatsvc.service import Services, running_services
@@ -50,6 +52,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             MessageController,
             SystemPromptController,
             OpenAIController,
+            CompletionsController,
+            TokenizeController,
             AdminController,
         ],
         dependencies={

@@ -39,26 +39,47 @@ class SampleResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     metrics: object | None = None  # chatsvc.engine.request.RequestMetrics
+    logprobs: list = field(default_factory=list)  # chatsvc.engine.request.TokenLogprob
+    prompt_logprobs: tuple | None = None
+
+    def add(self, delta) -> None:
+        """Fold in one engine delta of this sample."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.metrics = delta.metrics
 
 
 def build_sampling(
     services: Services,
     *,
     max_tokens: int | None,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    stop: list[str],
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] = (),
     n: int = 1,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    **options,
 ):
     """SamplingParams from request fields, with the service's caps; 400 on bad values.
 
-    ``max_tokens`` stays None here when not given: it is resolved against the
-    prompt's length by ``fit_context``.
+    A sampling field given as None takes the served model's default
+    (``engine.sampling_defaults``: its generation config, else the built-in one).
+    ``options``: further SamplingParams fields (penalties, logit_bias, min_tokens,
+    ignore_eos, stop_token_ids, logprobs, prompt_logprobs). ``max_tokens`` stays None
+    here when not given: it is resolved against the prompt's length by ``fit_context``.
     """
     from chatsvc.engine import SamplingParams
 
+    defaults = services.engine.sampling_defaults
     limits = services.settings.limits
     if max_tokens is not None and max_tokens > limits.max_tokens_cap:
         raise InvalidRequestError(
@@ -66,27 +87,40 @@ def build_sampling(
         )
     if n > limits.max_n:
         raise InvalidRequestError(f"n {n} exceeds this server's cap of {limits.max_n}")
+    # Until fit_context sizes an absent max_tokens, any value min_tokens allows.
+    placeholder = max(1, options.get("min_tokens") or 0)
     try:
         params = SamplingParams(
-            max_tokens=1 if max_tokens is None else max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            max_tokens=placeholder if max_tokens is None else max_tokens,
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_p=defaults.top_p if top_p is None else top_p,
+            top_k=defaults.top_k if top_k is None else top_k,
             seed=seed,
             stop=tuple(stop),
             n=n,
-        ).validate()
+            min_p=defaults.min_p if min_p is None else min_p,
+            repetition_penalty=(
+                defaults.repetition_penalty if repetition_penalty is None else repetition_penalty
+            ),
+            **options,
+        ).validate(services.engine.vocab_size)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc)) from None
     return params, max_tokens
 
 
-def fit_context(services: Services, prompt_len: int, sampling, requested: int | None):
+def fit_context(
+    services: Services,
+    prompt_len: int,
+    sampling,
+    requested: int | None,
+    default_max_tokens: int | None = None,
+):
     """Return sampling with max_tokens fitted to the model's context; 400 if it cannot fit.
 
     An explicit max_tokens that overflows the context is an error (as in
     OpenAI's API) rather than a silent truncation; an absent one takes the
-    room that is left, up to the server's cap.
+    room that is left, up to the server's cap (and ``default_max_tokens``).
     """
     from dataclasses import replace
 
@@ -97,7 +131,13 @@ def fit_context(services: Services, prompt_len: int, sampling, requested: int | 
             f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens"
         )
     if requested is None:
-        return replace(sampling, max_tokens=min(room, services.settings.limits.max_tokens_cap))
+        fitted = min(room, services.settings.limits.max_tokens_cap, default_max_tokens or room)
+        if sampling.min_tokens > fitted:
+            raise InvalidRequestError(
+                f"min_tokens ({sampling.min_tokens}) exceeds the {fitted} tokens this request "
+                "may generate; give max_tokens, or fewer min_tokens"
+            )
+        return replace(sampling, max_tokens=fitted)
     if requested > room:
         raise ContextLengthError(
             f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds this "

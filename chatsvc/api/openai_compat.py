@@ -1,4 +1,4 @@
-"""OpenAI-compatible ``/v1/chat/completions`` and ``/v1/models``.
+"""OpenAI-compatible ``/v1/chat/completions`` and ``/v1/models`` (completions: ``completions``).
 
 Stateless: the client sends the whole conversation each time, and the prefix
 cache (not a session) makes the repeated part cheap. A request that names a
@@ -29,11 +29,14 @@ from chatsvc.api.errors import (
     documented_errors,
     error_body,
 )
+from chatsvc.api.logprob_views import chat_logprobs, token_texts
+from chatsvc.api.openai_sampling import build_sampling
 from chatsvc.api.openai_schemas import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessage,
     Choice,
     ChunkChoice,
     ChunkDelta,
@@ -54,7 +57,14 @@ class OpenAIController(Controller):
 
     @get("/models", summary="The served model", responses=documented_errors(400, 401, 503))
     async def list_models(self, services: ServicesDep, tenant: TenantDep) -> ModelList:
-        return ModelList(data=[Model(id=services.engine.model_name, created=services.started)])
+        engine = services.engine
+        model = Model(
+            id=engine.model_name,
+            created=services.started,
+            max_model_len=engine.max_context_len,
+            kv_block_size=engine.block_size,
+        )
+        return ModelList(data=[model])
 
     @post(
         "/chat/completions",
@@ -82,13 +92,14 @@ class OpenAIController(Controller):
         completion_id = gen.new_request_id("chatcmpl")
         created = int(time.time())
         if data.stream:
-            include_usage = data.stream_options is not None and data.stream_options.include_usage
-            chunks = _stream(services, request, slot, completion_id, created, include_usage)
+            chunks = _stream(services, request, slot, completion_id, created, data.include_usage)
             return ServerSentEvent(chunks, background=BackgroundTask(_release, slot))
         try:
             samples = await _collect(services, request)
         finally:
             slot.release()
+        texts = token_texts(services.engine.tokenizer)
+        wants_logprobs = request.sampling.logprobs is not None
         completion = ChatCompletion(
             id=completion_id,
             created=created,
@@ -98,6 +109,7 @@ class OpenAIController(Controller):
                     index=i,
                     message=AssistantMessage(content=s.text),
                     finish_reason=s.finish_reason or "stop",
+                    logprobs=chat_logprobs(texts, s.logprobs) if wants_logprobs else None,
                 )
                 for i, s in enumerate(samples)
             ],
@@ -111,49 +123,55 @@ async def _release(slot: gen.StreamSlot) -> None:
     slot.release()
 
 
+def check_model(services: ServicesDep, model: str | None) -> None:
+    """404 ``model_not_found`` unless ``model`` (when given) is the served one."""
+    if model is not None and model != services.engine.model_name:
+        raise NotFoundError(
+            f"model {model!r} is not served here; GET /v1/models lists "
+            f"{services.engine.model_name!r}",
+            error_type="model_not_found",
+        )
+
+
+def template_messages(services: ServicesDep, messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The request's messages as the chat template takes them; 400 past the limits."""
+    if not messages:
+        raise InvalidRequestError("messages must not be empty")
+    max_messages = services.settings.limits.max_messages
+    if len(messages) > max_messages:
+        raise InvalidRequestError(
+            f"the request has {len(messages)} messages; the limit is {max_messages}"
+        )
+    converted = [m.for_template() for m in messages]
+    total = sum(len(m["content"]) for m in converted)
+    if total > services.settings.limits.max_message_chars * 4:
+        raise InvalidRequestError(f"the messages hold {total} characters; too long")
+    return converted
+
+
+def _logprobs_of(data: ChatCompletionRequest) -> int | None:
+    """The engine's ``logprobs`` (None = off) from OpenAI's logprobs / top_logprobs."""
+    if data.top_logprobs is not None and not data.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true")
+    if not data.logprobs:
+        return None
+    return 0 if data.top_logprobs is None else data.top_logprobs
+
+
 async def _build_request(
     services: ServicesDep, tenant: TenantDep, data: JSONBody[ChatCompletionRequest]
 ):
     from chatsvc.engine import GenerationRequest
 
-    if data.model != services.engine.model_name:
-        raise NotFoundError(
-            f"model {data.model!r} is not served here; GET /v1/models lists "
-            f"{services.engine.model_name!r}",
-            error_type="model_not_found",
-        )
-    if not data.messages:
-        raise InvalidRequestError("messages must not be empty")
-    max_messages = services.settings.limits.max_messages
-    if len(data.messages) > max_messages:
-        raise InvalidRequestError(
-            f"the request has {len(data.messages)} messages; the limit is {max_messages}"
-        )
-    if data.presence_penalty != 0 or data.frequency_penalty != 0 or data.logprobs:
-        raise InvalidRequestError("presence/frequency penalties and logprobs are not supported")
+    check_model(services, data.model)
     if data.max_tokens is not None and data.max_completion_tokens is not None:
         raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
-    messages = []
-    for m in data.messages:
-        role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": m.text()})
+    messages = template_messages(services, data.messages)
     system = await named_system_prompt(services, tenant, data.system_prompt_id, messages)
     if messages[-1]["role"] == "assistant":
         raise InvalidRequestError("the last message must not be the assistant's")
-    total = sum(len(m["content"]) for m in messages)
-    if total > services.settings.limits.max_message_chars * 4:
-        raise InvalidRequestError(f"the messages hold {total} characters; too long")
     requested = data.max_completion_tokens if data.max_tokens is None else data.max_tokens
-    sampling, requested = gen.build_sampling(
-        services,
-        max_tokens=requested,
-        temperature=data.temperature,
-        top_p=data.top_p,
-        top_k=data.top_k,
-        seed=data.seed,
-        stop=data.stop_list(),
-        n=data.n,
-    )
+    sampling, requested = build_sampling(services, data, requested, logprobs=_logprobs_of(data))
     prompt = await gen.format_chat(services.engine.chat_format.render, messages)
     sampling = gen.fit_context(services, len(prompt), sampling, requested)
     labels = {"tenant": tenant.id}
@@ -171,12 +189,7 @@ async def _build_request(
 async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
     samples = [gen.SampleResult() for _ in range(request.sampling.n)]
     async for delta in gen.generate(services, request):
-        sample = samples[delta.index]
-        sample.text += delta.text
-        sample.token_ids.extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            sample.finish_reason = delta.finish_reason
-            sample.metrics = delta.metrics
+        samples[delta.index].add(delta)
     _check_finished(services, samples)
     gen.record_finished(services, ENDPOINT, request.labels, samples)
     return samples
@@ -214,6 +227,7 @@ async def _stream(
         return msgspec.json.encode(body).decode()
 
     samples = [gen.SampleResult() for _ in range(request.sampling.n)]
+    texts = token_texts(services.engine.tokenizer)
     try:
         # The role comes first, alone, as in OpenAI's own streams.
         yield chunk(
@@ -223,16 +237,17 @@ async def _stream(
             ]
         )
         async for delta in gen.generate(services, request):
-            sample = samples[delta.index]
-            sample.text += delta.text
-            if delta.finish_reason is not None:
-                sample.finish_reason = delta.finish_reason
-                sample.metrics = delta.metrics
-            if delta.text or delta.finish_reason is not None:
+            samples[delta.index].add(delta)
+            if delta.text or delta.finish_reason is not None or delta.logprobs:
                 piece = ChunkDelta(content=delta.text) if delta.text else ChunkDelta()
-                yield chunk(
-                    [ChunkChoice(index=delta.index, delta=piece, finish_reason=delta.finish_reason)]
+                scores = chat_logprobs(texts, delta.logprobs) if delta.logprobs else None
+                choice = ChunkChoice(
+                    index=delta.index,
+                    delta=piece,
+                    finish_reason=delta.finish_reason,
+                    logprobs=scores,
                 )
+                yield chunk([choice])
         _check_finished(services, samples)
         gen.record_finished(services, ENDPOINT, request.labels, samples)
         if include_usage:

@@ -1,8 +1,8 @@
-"""Bodies of the OpenAI-compatible endpoints, in the field names the openai SDK uses.
+"""Bodies of the OpenAI-compatible chat endpoint and /v1/models, in the openai SDK's names.
 
-Fields the SDK may send but this server does not implement are accepted only
-at their neutral value (e.g. ``presence_penalty=0``) so nothing is silently
-ignored; anything unknown is rejected.
+Anything this server does not implement is an unknown field and rejected, so
+nothing is silently ignored. The sampling fields shared with /v1/completions are
+in ``openai_sampling``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
+from chatsvc.api.openai_sampling import SamplingFields
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -27,38 +29,22 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template takes it (``developer`` is a system message)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    include_usage: bool = False
 
-
-class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True):
     model: str
     messages: list[ChatMessage]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    # Not in OpenAI's API but common in compatible servers (vLLM, SGLang).
-    top_k: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-    user: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     # Extension (the openai SDK sends it with extra_body): a stored system prompt by
     # id, whose text becomes the leading system message. Only a shared prompt named
     # here puts the conversation's head in the public cache namespace.
     system_prompt_id: str | None = None
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
@@ -66,11 +52,31 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     content: str
 
 
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobView(msgspec.Struct, kw_only=True):
+    """One output token: its text, log-probability, UTF-8 bytes, and the likeliest tokens."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprobView] | None
+    refusal: None = None
+
+
 class Choice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
@@ -103,7 +109,7 @@ class ChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChunkDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -116,8 +122,14 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class Model(msgspec.Struct, kw_only=True):
+    """The served model. ``max_model_len`` (as vLLM reports it): the longest prompt +
+    completion in tokens; ``kv_block_size``: tokens per KV cache block, the unit of
+    prefix reuse (cached_tokens are multiples of it)."""
+
     id: str
     created: int
+    max_model_len: int
+    kv_block_size: int
     owned_by: str = "chatsvc"
     object: Literal["model"] = "model"
 

@@ -74,12 +74,15 @@ class SessionList(msgspec.Struct, kw_only=True):
 
 
 class SamplingOptions(Request):
-    """Sampling options shared by native messages; ranges are checked by SamplingParams."""
+    """Sampling options shared by native messages; ranges are checked by SamplingParams.
+
+    Unset (or null) sampling fields take the served model's defaults
+    (``engine.sampling_defaults``)."""
 
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
 

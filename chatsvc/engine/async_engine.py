@@ -133,6 +133,19 @@ class AsyncEngine:
     def max_context_len(self) -> int:
         return self._engine.max_context_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.loaded.config.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.config.block_size
+
+    @property
+    def sampling_defaults(self):
+        """``chatsvc.engine.sampling_defaults.SamplingDefaults`` of the served model."""
+        return self._engine.sampling_defaults
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Stream the deltas of ``request``; raises its error.
 

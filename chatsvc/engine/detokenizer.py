@@ -15,7 +15,9 @@ left neighbour. So each step decodes a short sliding window twice:
 Stop strings: released text that could still be the start of a stop string is
 withheld until the next tokens resolve it; when a stop string completes, the
 text is cut just before it and the sequence ends. ``flush`` releases what is
-withheld when the sequence ends for another reason.
+withheld when the sequence ends for another reason. With ``min_tokens``, stop
+strings are searched only once that many tokens are out (as vLLM does); a stop
+string that ends in the text of those first tokens does not count.
 """
 
 from __future__ import annotations
@@ -36,12 +38,21 @@ class IncrementalDetokenizer:
     """Text of one sample's output, released as it becomes final."""
 
     def __init__(
-        self, tokenizer: Decoder, prompt_token_ids: list[int], stop: tuple[str, ...] = ()
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        min_tokens: int = 0,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
         self._stop = stop
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        # Length of the text of the first min_tokens tokens: a stop string counts only
+        # when it ends past it.
+        self._early_end = 0
         self._max_stop_len = max((len(s) for s in stop), default=0)
         context = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._ids = context
@@ -63,6 +74,7 @@ class IncrementalDetokenizer:
         """
         if self.stopped_by is not None:
             return ""
+        self._num_tokens += 1
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
@@ -84,14 +96,16 @@ class IncrementalDetokenizer:
         self._text += new_text
         if not self._stop:
             return self.flush()
-        # A stop string can begin up to max_stop_len - 1 chars before the new text.
-        search_from = max(0, start - self._max_stop_len + 1)
-        hit = self._find_stop(search_from)
-        if hit is not None:
-            position, stop = hit
-            self._text = self._text[:position]
-            self.stopped_by = stop
-            return self.flush()
+        if self._num_tokens < self._min_tokens:
+            self._early_end = len(self._text)
+        else:
+            # A stop string can begin up to max_stop_len - 1 chars before the new text.
+            hit = self._find_stop(max(0, start - self._max_stop_len + 1))
+            if hit is not None:
+                position, stop = hit
+                self._text = self._text[:position]
+                self.stopped_by = stop
+                return self.flush()
         keep = len(self._text) - self._withheld_len()
         released = self._text[self._released : keep]
         self._released = max(self._released, keep)
@@ -100,7 +114,7 @@ class IncrementalDetokenizer:
     def _find_stop(self, search_from: int) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
         for stop in self._stop:
-            position = self._text.find(stop, search_from)
+            position = self._text.find(stop, max(search_from, self._early_end - len(stop) + 1))
             if position >= 0 and (best is None or position < best[0]):
                 best = (position, stop)
         return best

@@ -40,15 +40,21 @@ from chatsvc.engine.errors import (
 )
 from chatsvc.engine.kv_disk import open_disk_tier
 from chatsvc.engine.loader import LoadedModel, load_model
+from chatsvc.engine.logits_processing import LogitsState
+from chatsvc.engine.logprobs import token_logprobs
+from chatsvc.engine.prompt_logprobs import take_prompt_logprobs
 from chatsvc.engine.request import (
     CACHE_TIERS,
     FinishReason,
     GenerationDelta,
     GenerationRequest,
     RequestMetrics,
+    SamplingParams,
+    TokenLogprob,
 )
 from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
+from chatsvc.engine.sampling_defaults import read_sampling_defaults
 from chatsvc.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
@@ -127,6 +133,8 @@ class LLMEngine:
         self.default_stop_ids = frozenset(self.chat_format.stop_token_ids) | frozenset(
             loaded.config.eos_token_ids
         )
+        # What a request that leaves a sampling field unset gets (the API fills them in).
+        self.sampling_defaults = read_sampling_defaults(loaded.path)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         # Block files below the memory tiers (None when off or unusable here).
@@ -155,7 +163,7 @@ class LLMEngine:
             )
         state = _RequestState(
             request,
-            stop_token_ids=self.default_stop_ids | frozenset(request.sampling.stop_token_ids),
+            stop_token_ids=self._stop_token_ids(request.sampling),
             num_unfinished=request.sampling.n,
         )
         seq = self._new_sequence(request, 0)
@@ -216,6 +224,8 @@ class LLMEngine:
         if out.scheduled:
             items, logits = self._forward(out.scheduled, outputs)
             if items:
+                items, logits = self._take_prompt_logprobs(items, logits, outputs)
+            if items:
                 completing, logits = self.runner.commit(items, self.cache, logits)
         # Store the blocks the step indexed, even when it computed nothing (a loading
         # sequence is waited on there). Not after an exception: the engine's state is
@@ -261,6 +271,24 @@ class LLMEngine:
             return [], None
         return [item for item, _ in kept], torch.cat([row for _, row in kept])
 
+    def _take_prompt_logprobs(
+        self, items: list[ScheduledSequence], logits: torch.Tensor, outputs: list[StepOutput]
+    ) -> tuple[list[ScheduledSequence], torch.Tensor]:
+        """Record prompt logprobs from the extra rows; one row per item remains.
+
+        A request whose prompt rows cannot be scored fails alone; its items are dropped
+        before ``commit``, like those of a request whose forward pass failed.
+        """
+        logits, failures = take_prompt_logprobs(items, logits)
+        if not failures:
+            return items, logits
+        for index, error in failures.items():
+            request_id = items[index].seq.request.request_id
+            outputs.extend(self._fail_internal(request_id, "prompt logprobs", error))
+        kept = [i for i, item in enumerate(items) if item.seq.request.request_id in self._requests]
+        rows = torch.tensor(kept, dtype=torch.long, device=logits.device)
+        return [items[i] for i in kept], logits.index_select(0, rows)
+
     def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         rows: list[int] = []
         targets: list[Sequence] = []
@@ -274,18 +302,45 @@ class LLMEngine:
                     targets.append(child)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        results = sample_rows(logits, [s.sampling for s in targets], [s.generator for s in targets])
+        results = sample_rows(
+            logits,
+            [s.sampling for s in targets],
+            [s.generator for s in targets],
+            [s.logits_state for s in targets],
+        )
+        scores = self._token_logprobs(targets, results, logits)
         now = time.perf_counter()
         outputs = []
-        for seq, result in zip(targets, results, strict=True):
+        for row, (seq, result) in enumerate(zip(targets, results, strict=True)):
             request_id = seq.request.request_id
             if request_id not in self._requests:
                 continue  # failed by another of its samples in this step
             if isinstance(result, SamplingError):
                 outputs.extend(self._fail_internal(request_id, "sampling", result))
                 continue
-            outputs.extend(self._append_token(seq, result, now))
+            outputs.extend(self._append_token(seq, result, now, scores.get(row)))
         return outputs
+
+    @staticmethod
+    def _token_logprobs(
+        seqs: list[Sequence], results: list[int | SamplingError], logits: torch.Tensor
+    ) -> dict[int, TokenLogprob]:
+        """Logprobs of the sampled tokens of the rows that ask for them, from the raw logits."""
+        rows = [
+            i
+            for i, (seq, result) in enumerate(zip(seqs, results, strict=True))
+            if seq.sampling.logprobs is not None and not isinstance(result, SamplingError)
+        ]
+        if not rows:
+            return {}
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        num_top = max(seqs[i].sampling.logprobs for i in rows)
+        scored = token_logprobs(logits.index_select(0, index), [results[i] for i in rows], num_top)
+        # One top-k for the widest request; each keeps its own k.
+        return {
+            i: TokenLogprob(s.token_id, s.logprob, s.rank, s.top[: seqs[i].sampling.logprobs])
+            for i, s in zip(rows, scored, strict=True)
+        }
 
     def _fork_children(self, state: _RequestState, parent: Sequence) -> list[Sequence]:
         children = []
@@ -296,12 +351,15 @@ class LLMEngine:
             child.num_cached_tokens = parent.num_cached_tokens
             child.cached_by_tier = dict(parent.cached_by_tier)
             child.arrival_time = parent.arrival_time
+            child.prompt_logprobs = parent.prompt_logprobs  # the same prompt, scored once
             self.scheduler.add_forked(child)
             state.seqs.append(child)
             children.append(child)
         return children
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> list[StepOutput]:
+    def _append_token(
+        self, seq: Sequence, token: int, now: float, score: TokenLogprob | None = None
+    ) -> list[StepOutput]:
         seq.append_token(token, now)
         try:
             reason, text = self._stop_check(seq, token)
@@ -312,7 +370,18 @@ class LLMEngine:
             self.scheduler.remove(seq)
             self._finish(seq, reason)
             metrics = self._metrics(seq, now)
-        delta = GenerationDelta(seq.sample_index, [token], text, reason, metrics)
+        prompt_scores = None
+        if seq.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+            prompt_scores = tuple(seq.prompt_logprobs)
+        delta = GenerationDelta(
+            seq.sample_index,
+            [token],
+            text,
+            reason,
+            metrics,
+            logprobs=None if score is None else (score,),
+            prompt_logprobs=prompt_scores,
+        )
         return [StepOutput(seq.request.request_id, delta)]
 
     def _stop_check(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str]:
@@ -360,9 +429,24 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED
         return [StepOutput(request_id, None, error)]
 
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        """Tokens that end a sample: the model's end-of-sequence and end-of-turn tokens
+        (not with ``ignore_eos``) and the request's ``stop_token_ids``."""
+        own = frozenset(params.stop_token_ids)
+        return own if params.ignore_eos else self.default_stop_ids | own
+
     def _new_sequence(self, request: GenerationRequest, index: int) -> Sequence:
         params = request.sampling
         session = request.labels.get("session")
+        logits_state = None
+        if LogitsState.is_needed(params):
+            logits_state = LogitsState(
+                params,
+                request.prompt_token_ids,
+                self.loaded.config.vocab_size,
+                self._stop_token_ids(params),
+                self.model.device,
+            )
         return Sequence(
             cache_owner=owner_digest(request.namespace.tenant_salt, session) if session else b"",
             seq_id=next(self._seq_ids),
@@ -370,9 +454,11 @@ class LLMEngine:
             sample_index=index,
             prompt_token_ids=list(request.prompt_token_ids),
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop
+                self.tokenizer, request.prompt_token_ids, params.stop, params.min_tokens
             ),
             generator=None if params.is_greedy else make_generator(params.sample_seed(index)),
+            logits_state=logits_state,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
 
     @staticmethod

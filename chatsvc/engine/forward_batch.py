@@ -6,6 +6,11 @@ B sequences contribute q_len[b] >= 1 new tokens each; the tokens lie flat in T r
     query_start_loc = [0, q_len[0], q_len[0] + q_len[1], ..., T]
     logits_indices[b] = query_start_loc[b + 1] - 1   (each sequence's last new token)
 
+A sequence may ask for the logits of more of its new tokens (``num_logits[b]``, its
+trailing rows: prompt logprobs); ``logits_indices`` then lists those rows, sequence
+by sequence, each sequence's last new token last, and the model returns one logits
+row per entry, in that order.
+
 Sequence b already has ``context_lens[b] - q_len[b]`` tokens in the KV cache, so its
 new token i sits at position ``context_lens[b] - q_len[b] + i`` and writes its K/V to
 ``slot_mapping[row]`` (``block * block_size + offset``; -1 = skip).
@@ -31,7 +36,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B] int32, including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past a sequence's blocks
-    logits_indices: torch.Tensor  # [B] int64
+    logits_indices: torch.Tensor  # [R] int64, R = sum of num_logits (B when each wants 1)
     is_decode: bool  # every sequence has exactly one new token
     max_query_len: int
     max_context_len: int
@@ -53,12 +58,14 @@ class ForwardBatch:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        num_logits: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """Build a step from plain lists, one entry per sequence.
 
         token_ids[b]: the new tokens of sequence b; num_computed[b]: tokens of b whose KV
         is already cached; slot_mappings[b]: one slot per new token; block_tables[b]: the
-        physical block of each logical block of b. Raises ValueError on inconsistent input.
+        physical block of each logical block of b; num_logits[b]: how many of b's last new
+        tokens need logits (default 1). Raises ValueError on inconsistent input.
         """
         num_seqs = len(token_ids)
         if num_seqs == 0:
@@ -71,6 +78,8 @@ class ForwardBatch:
             )
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_logits is not None and len(num_logits) != num_seqs:
+            raise ValueError(f"num_logits has {len(num_logits)} entries for {num_seqs} sequences")
         flat_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -102,6 +111,14 @@ class ForwardBatch:
         max_blocks = max(len(t) for t in block_tables)
         padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
         q_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
+        logits_rows: list[int] = []
+        for b in range(num_seqs):
+            wanted = 1 if num_logits is None else num_logits[b]
+            if not 1 <= wanted <= q_lens[b]:
+                raise ValueError(
+                    f"sequence {b}: num_logits must be in [1, {q_lens[b]}], got {wanted}"
+                )
+            logits_rows.extend(range(starts[b + 1] - wanted, starts[b + 1]))
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -113,7 +130,7 @@ class ForwardBatch:
             query_start_loc=tensor(starts, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
             block_tables=tensor(padded, torch.int32),
-            logits_indices=tensor([s - 1 for s in starts[1:]], torch.int64),
+            logits_indices=tensor(logits_rows, torch.int64),
             is_decode=all(q == 1 for q in q_lens),
             max_query_len=max(q_lens),
             max_context_len=max(context_lens),

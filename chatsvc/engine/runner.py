@@ -23,6 +23,7 @@ import torch
 from cache import CachePlan, KVCacheManager
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.llama import LlamaModel
+from chatsvc.engine.prompt_logprobs import num_logit_rows, take_prompt_logprobs
 from chatsvc.engine.scheduler import ScheduledSequence, SchedulerOutput
 from chatsvc.engine.swap_stream import SwapStream
 from kernels import copy_blocks
@@ -72,6 +73,9 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         logits = self.forward(out.scheduled, cache)
+        logits, failures = take_prompt_logprobs(out.scheduled, logits)
+        if failures:  # LLMEngine.step fails such a request alone; here the step fails
+            raise next(iter(failures.values()))
         return self.commit(out.scheduled, cache, logits)
 
     def execute_plans(self, plans: list[CachePlan]) -> None:
@@ -80,7 +84,8 @@ class ModelRunner:
             self.execute_plan(plan)
 
     def forward(self, items: list[ScheduledSequence], cache: KVCacheManager) -> torch.Tensor:
-        """Logits ``[len(items), vocab]`` (fp32) of each item's last new token.
+        """Logits ``[R, vocab]`` (fp32): ``num_logit_rows(item)`` rows per item, in item order,
+        each item's last new token last (one row per item unless prompt logprobs are asked).
 
         Writes the items' K/V into their slots and nothing else: the cache's
         bookkeeping and ``num_computed_tokens`` stay as they were until ``commit``.
@@ -95,14 +100,21 @@ class ModelRunner:
             slots.append(item.slots)
             tables.append(cache.block_table(seq.seq_id))
         batch = ForwardBatch.from_lists(
-            token_ids, num_computed, slots, tables, self.block_size, self.model.device
+            token_ids,
+            num_computed,
+            slots,
+            tables,
+            self.block_size,
+            self.model.device,
+            num_logits=[num_logit_rows(item) for item in items],
         )
-        return self.model.forward(batch, self.kv_pool)  # [B, vocab]
+        return self.model.forward(batch, self.kv_pool)  # [R, vocab]
 
     def forward_each(
         self, items: list[ScheduledSequence], cache: KVCacheManager
     ) -> list[torch.Tensor | Exception]:
-        """Each item alone: its logits row ``[1, vocab]``, or the exception its pass raised.
+        """Each item alone: its logits rows (``forward`` of that item), or the exception its
+        pass raised.
 
         For a batch whose ``forward`` failed: the items that fail alone are the
         culprits. The same effects per item as ``forward`` (its own slots, no bookkeeping).

@@ -57,6 +57,7 @@ from cache import CachePlan, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.errors import RequestTooLargeError
 from chatsvc.engine.fairness import FairQueue, slots_of
+from chatsvc.engine.prompt_logprobs import wants_prompt_logits
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
@@ -258,7 +259,9 @@ class Scheduler:
             if queue.num_slots and queue.num_slots + slots_of(seq) > self.config.max_num_seqs:
                 break
             # Measured again: an admission just before may have changed what is cached.
-            match = self.cache.match_prefix(seq.token_ids(), seq.request.namespace)
+            # A sequence that needs its prompt's logits computes every prompt token.
+            reuse = not wants_prompt_logits(seq)
+            match = self.cache.match_prefix(seq.token_ids(), seq.request.namespace, reuse)
             if (
                 may_defer
                 and match.num_pending_tokens
@@ -280,7 +283,11 @@ class Scheduler:
                     out.failed.append((seq, error))
                 break
             result = self.cache.allocate(
-                seq.seq_id, seq.token_ids(), seq.request.namespace, owner=seq.cache_owner
+                seq.seq_id,
+                seq.token_ids(),
+                seq.request.namespace,
+                owner=seq.cache_owner,
+                reuse_prefix=reuse,
             )
             if not result.plan.is_empty:
                 out.plans.append(result.plan)

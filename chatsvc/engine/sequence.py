@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
-from chatsvc.engine.request import FinishReason, GenerationRequest, SamplingParams
+from chatsvc.engine.logits_processing import LogitsState
+from chatsvc.engine.request import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +66,11 @@ class Sequence:
     # num_cached_tokens by the tier the blocks came from ("device", "host", "disk").
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     cache_owner: bytes = b""  # the session's digest, stamped on the blocks it computes
+    # Penalties' token history and logit_bias (None: the request asks for no processing),
+    # updated with every appended token.
+    logits_state: LogitsState | None = None
+    # Scores of prompt tokens 0.. (entry 0 None) as prefill computes them; None: not asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -104,3 +110,5 @@ class Sequence:
             self.first_token_time = now
         self.last_token_time = now
         self.output_token_ids.append(token_id)
+        if self.logits_state is not None:
+            self.logits_state.add_token(token_id)

@@ -51,7 +51,13 @@ def _cases(session_id: str, model: str):
         ("POST", chat, {"model": model, "messages": user, "n": 99}, 400, None),
         ("POST", chat, {"model": model, "messages": user, "temperature": -2}, 400, None),
         ("POST", chat, {"model": model, "messages": user, "max_tokens": 0}, 400, None),
-        ("POST", chat, {"model": model, "messages": user, "logprobs": True}, 400, None),
+        (
+            "POST",
+            chat,
+            {"model": model, "messages": user, "logprobs": True, "top_logprobs": 21},
+            400,
+            None,
+        ),
         (
             "POST",
             chat,

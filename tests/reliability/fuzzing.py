@@ -18,7 +18,8 @@ def operation_strategies(
     schema, session_id: str, model: str
 ) -> Iterator[tuple[str, object, object]]:
     """(label, operation, strategy) for every operation and mode, plus the session
-    operations aimed at ``session_id`` and chat completions naming the served model."""
+    operations aimed at ``session_id`` and the generation and tokenizer operations
+    naming the served model."""
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
@@ -30,12 +31,16 @@ def operation_strategies(
                     generation_mode=mode, path_parameters={"session_id": session_id}
                 )
                 yield f"{operation.label} {mode.value} live-session", operation, aimed
-            if operation.path == "/v1/chat/completions" and mode is GenerationMode.POSITIVE:
+            if operation.path in _NAMES_A_MODEL and mode is GenerationMode.POSITIVE:
                 yield (
                     f"{operation.label} served-model",
                     operation,
                     strategy.map(lambda case: _with_model(case, model)),
                 )
+
+
+# Operations whose body names the model: a random name only reaches their 404.
+_NAMES_A_MODEL = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"})
 
 
 def _with_model(case, model: str):
