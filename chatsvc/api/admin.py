@@ -21,7 +21,7 @@ from chatsvc.api.errors import (
 from chatsvc.api.schemas import CreateSharedPrompt, SystemPromptList, SystemPromptView
 from chatsvc.api.system_prompts import UNKNOWN_PROMPT, prompt_view
 from chatsvc.metrics import CONTENT_TYPE
-from chatsvc.store.errors import LimitExceededError
+from chatsvc.store.errors import InvalidInputError, LimitExceededError
 
 
 class AdminController(Controller):
@@ -83,7 +83,7 @@ class AdminController(Controller):
             raise RateLimitError(
                 f"there are already {limit} shared system prompts; withdraw some first"
             ) from None
-        except ValueError as exc:
+        except InvalidInputError as exc:
             raise InvalidRequestError(str(exc)) from None
         return prompt_view(prompt)
 
@@ -107,7 +107,7 @@ class AdminController(Controller):
         of theirs hash its blocks privately. A tenant's private prompt answers 404."""
         try:
             deleted = await services.store.delete_shared_prompt(prompt_id)
-        except ValueError:
+        except InvalidInputError:
             deleted = False
         if not deleted:
             raise NotFoundError(UNKNOWN_PROMPT)

@@ -30,7 +30,7 @@ from chatsvc.api.errors import ConflictError, NotFoundError, ServiceUnavailableE
 from chatsvc.api.schemas import MessageView, PostMessage, Timings, TurnResult, Usage
 from chatsvc.logs import text_for_log
 from chatsvc.service import Services
-from chatsvc.store import TurnLockLostError
+from chatsvc.store import InvalidInputError, TurnLockLostError
 from chatsvc.store.lock import RedisLock
 from chatsvc.store.records import MessageRecord, SessionRecord, TenantRecord
 from chatsvc.store.records import Usage as UsageRecord
@@ -111,7 +111,7 @@ async def begin_turn(
 async def get_session(services: Services, tenant: TenantRecord, session_id: str):
     try:
         return await services.store.get_session(tenant.id, session_id)
-    except ValueError:  # a malformed id can name no session: same answer as an unknown one
+    except InvalidInputError:  # a malformed id can name no session: same answer as an unknown one
         return None
 
 

@@ -36,7 +36,7 @@ class TenantStore(SessionStore):
         """The tenant called ``name``, created (with a fresh id and salt) if there is none.
 
         Idempotent and safe to race: every caller gets the same tenant, and only
-        one record is ever written for a name. Raises ``ValueError`` for a blank
+        one record is ever written for a name. Raises ``InvalidInputError`` for a blank
         or overlong name.
         """
         v.check_name("name", name)
