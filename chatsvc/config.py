@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from chatsvc import paths
+from chatsvc.engine.config import EngineConfig
 from chatsvc.store.validate import MAX_NAME_CHARS, MIN_API_KEY_CHARS
 
 ENV_PREFIX = "CHATSVC_"
@@ -88,7 +89,7 @@ class Settings:
     # Opt-in debugging aid: log prompt and completion text (off: lengths only).
     log_text: bool = False
     # None = EngineConfig.from_env() at start-up; tests pass a small config.
-    engine: Any = None
+    engine: EngineConfig | None = None
 
     @property
     def auth_enabled(self) -> bool:

@@ -21,6 +21,7 @@ from chatsvc.api.errors import (
 from chatsvc.api.schemas import CreateSharedPrompt, SystemPromptList, SystemPromptView
 from chatsvc.api.system_prompts import UNKNOWN_PROMPT, prompt_view
 from chatsvc.metrics import CONTENT_TYPE
+from chatsvc.protocol import EngineClient, EngineStoppedError
 from chatsvc.store.errors import InvalidInputError, LimitExceededError
 
 
@@ -41,8 +42,6 @@ class AdminController(Controller):
         cache's bookkeeping invariants hold, else the broken invariant."""
         # Both wait for the engine thread to finish its current step, so they see
         # the same consistent state between steps.
-        from chatsvc.engine.errors import EngineStoppedError
-
         try:
             engine = await anyio.to_thread.run_sync(services.engine.cache_stats)
             integrity = await anyio.to_thread.run_sync(_integrity, services.engine)
@@ -113,7 +112,7 @@ class AdminController(Controller):
             raise NotFoundError(UNKNOWN_PROMPT)
 
 
-def _integrity(engine: Any) -> str:
+def _integrity(engine: EngineClient) -> str:
     try:
         engine.check_integrity()
     except AssertionError as exc:  # CacheIntegrityError is one; a report, not a 500

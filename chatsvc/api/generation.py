@@ -11,17 +11,30 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import anyio
+from jinja2 import TemplateError
 
+from cache import Namespace
 from chatsvc.api.errors import (
     ContextLengthError,
     InternalServerError,
     InvalidRequestError,
     RateLimitError,
     ServiceUnavailableError,
+)
+from chatsvc.protocol import (
+    ChatTemplate,
+    EngineInternalError,
+    EngineStoppedError,
+    GenerationDelta,
+    GenerationRequest,
+    RequestMetrics,
+    RequestTooLargeError,
+    RequestValidationError,
+    SamplingParams,
 )
 from chatsvc.service import Services
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
@@ -38,7 +51,20 @@ class SampleResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    metrics: object | None = None  # chatsvc.engine.request.RequestMetrics
+    metrics: RequestMetrics | None = None
+
+    def add(self, delta: GenerationDelta) -> None:
+        """Take in one delta of this sample."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.metrics = delta.metrics
+
+    @property
+    def finished(self) -> bool:
+        """Ended with its final figures, and not by an abort."""
+        return self.finish_reason not in (None, "abort") and self.metrics is not None
 
 
 def build_sampling(
@@ -51,14 +77,12 @@ def build_sampling(
     seed: int | None,
     stop: list[str],
     n: int = 1,
-):
+) -> tuple[SamplingParams, int | None]:
     """SamplingParams from request fields, with the service's caps; 400 on bad values.
 
     ``max_tokens`` stays None here when not given: it is resolved against the
     prompt's length by ``fit_context``.
     """
-    from chatsvc.engine import SamplingParams
-
     limits = services.settings.limits
     if max_tokens is not None and max_tokens > limits.max_tokens_cap:
         raise InvalidRequestError(
@@ -76,20 +100,20 @@ def build_sampling(
             stop=tuple(stop),
             n=n,
         ).validate()
-    except (ValueError, TypeError) as exc:
+    except RequestValidationError as exc:
         raise InvalidRequestError(str(exc)) from None
     return params, max_tokens
 
 
-def fit_context(services: Services, prompt_len: int, sampling, requested: int | None):
+def fit_context(
+    services: Services, prompt_len: int, sampling: SamplingParams, requested: int | None
+) -> SamplingParams:
     """Return sampling with max_tokens fitted to the model's context; 400 if it cannot fit.
 
     An explicit max_tokens that overflows the context is an error (as in
     OpenAI's API) rather than a silent truncation; an absent one takes the
     room that is left, up to the server's cap.
     """
-    from dataclasses import replace
-
     limit = services.engine.max_context_len
     room = limit - prompt_len
     if room < 1:
@@ -134,13 +158,11 @@ async def format_chat(call: Callable[..., T], *args: Any) -> T:
     A large conversation takes long to render and tokenize; on the event loop
     that would stall every other request and the turn locks' renewals. The
     engine thread is not used: it is reserved for the model. A conversation the
-    chat format or the template refuses is a 400.
+    chat format or the template refuses is a 400; any other failure is ours (500).
     """
-    from jinja2 import TemplateError
-
     try:
         return await anyio.to_thread.run_sync(functools.partial(call, *args))
-    except ValueError as exc:
+    except RequestValidationError as exc:
         raise InvalidRequestError(str(exc)) from None
     except TemplateError as exc:
         raise InvalidRequestError(f"the chat template refused the conversation: {exc}") from None
@@ -156,7 +178,7 @@ async def system_prefix_tokens(services: Services, text: str) -> list[int]:
     return await format_chat(_system_prefix, services.engine.chat_format, text)
 
 
-def _system_prefix(fmt, text: str) -> list[int]:
+def _system_prefix(fmt: ChatTemplate, text: str) -> list[int]:
     a = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "a"}])
     b = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "Zq"}])
     n = 0
@@ -165,10 +187,8 @@ def _system_prefix(fmt, text: str) -> list[int]:
     return a[:n]
 
 
-def namespace_for(tenant: TenantRecord, shared_len: int):
+def namespace_for(tenant: TenantRecord, shared_len: int) -> Namespace:
     """The cache namespace of a tenant's prompt whose first ``shared_len`` tokens are public."""
-    from cache import Namespace
-
     return Namespace(tenant_salt=tenant.cache_salt, shared_prefix_len=shared_len, label=tenant.id)
 
 
@@ -194,7 +214,9 @@ def new_request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-async def generate(services: Services, request) -> AsyncIterator:
+async def generate(
+    services: Services, request: GenerationRequest
+) -> AsyncIterator[GenerationDelta]:
     """The engine's deltas for ``request``; leaving early aborts it and frees its blocks.
 
     The engine's errors become API errors: a bad request -> 400 (too large for the
@@ -203,13 +225,6 @@ async def generate(services: Services, request) -> AsyncIterator:
     raises -> 500 server_error with a generic message (the detail is logged, never
     sent: it may describe the engine's internals).
     """
-    from chatsvc.engine.errors import (
-        EngineInternalError,
-        EngineStoppedError,
-        RequestTooLargeError,
-        RequestValidationError,
-    )
-
     try:
         async with aclosing(services.engine.generate(request)) as deltas:
             async for delta in deltas:
@@ -230,7 +245,9 @@ async def generate(services: Services, request) -> AsyncIterator:
         raise InternalServerError(ENGINE_FAILED) from None
 
 
-def record_finished(services: Services, endpoint: str, labels: dict[str, str], samples) -> None:
+def record_finished(
+    services: Services, endpoint: str, labels: dict[str, str], samples: list[SampleResult]
+) -> None:
     """Feed a finished request's usage into the admin stats and the Prometheus metrics."""
     first = samples[0].metrics
     if first is None:

@@ -43,6 +43,7 @@ from chatsvc.api.openai_schemas import (
     PromptTokensDetails,
 )
 from chatsvc.api.system_prompts import named_system_prompt
+from chatsvc.protocol import GenerationRequest
 
 ENDPOINT = "chat_completions"
 
@@ -111,9 +112,7 @@ async def _release(slot: gen.StreamSlot) -> None:
 
 async def _build_request(
     services: ServicesDep, tenant: TenantDep, data: JSONBody[ChatCompletionRequest]
-):
-    from chatsvc.engine import GenerationRequest
-
+) -> GenerationRequest:
     if data.model != services.engine.model_name:
         raise NotFoundError(
             f"model {data.model!r} is not served here; GET /v1/models lists "
@@ -166,15 +165,10 @@ async def _build_request(
     )
 
 
-async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
+async def _collect(services: ServicesDep, request: GenerationRequest) -> list[gen.SampleResult]:
     samples = [gen.SampleResult() for _ in range(request.sampling.n)]
     async for delta in gen.generate(services, request):
-        sample = samples[delta.index]
-        sample.text += delta.text
-        sample.token_ids.extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            sample.finish_reason = delta.finish_reason
-            sample.metrics = delta.metrics
+        samples[delta.index].add(delta)
     _check_finished(services, samples)
     gen.record_finished(services, ENDPOINT, request.labels, samples)
     return samples
@@ -182,7 +176,7 @@ async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
 
 def _check_finished(services: ServicesDep, samples: list[gen.SampleResult]) -> None:
     # The same answer as the native path's for an aborted generation: 503, retry later.
-    if any(s.finish_reason in (None, "abort") for s in samples):
+    if not all(s.finished for s in samples):
         services.metrics.observe_failure(ENDPOINT, "aborted")
         raise ServiceUnavailableError("the generation was aborted")
 
@@ -201,7 +195,12 @@ def _usage(samples: list[gen.SampleResult]) -> CompletionUsage:
 
 
 async def _stream(
-    services: ServicesDep, request, slot, completion_id: str, created: int, include_usage: bool
+    services: ServicesDep,
+    request: GenerationRequest,
+    slot: gen.StreamSlot,
+    completion_id: str,
+    created: int,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     model = services.engine.model_name
 
@@ -221,11 +220,7 @@ async def _stream(
             ]
         )
         async for delta in gen.generate(services, request):
-            sample = samples[delta.index]
-            sample.text += delta.text
-            if delta.finish_reason is not None:
-                sample.finish_reason = delta.finish_reason
-                sample.metrics = delta.metrics
+            samples[delta.index].add(delta)
             if delta.text or delta.finish_reason is not None:
                 piece = ChunkDelta(content=delta.text) if delta.text else ChunkDelta()
                 yield chunk(
