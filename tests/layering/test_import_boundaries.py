@@ -85,6 +85,13 @@ def test_api_and_service_load_without_torch():
     assert "chatsvc.api.app" in report["imported"]
 
 
+def test_migrations_are_data_that_import_nothing_of_chatsvc():
+    # The store applies them (chatsvc.store.schema); an import back would be a cycle.
+    report = guarded_import(["chatsvc"], ["migrations.*"])
+    assert_clean(report)
+    assert "migrations.m0004_session_tokens_key" in report["imported"]
+
+
 def test_the_guard_sees_an_import_that_is_caught():
     # The check is only as good as its hook: an optional import inside try/except, as
     # tests.layering.optional_torch makes one, must still count.
