@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench.live_server import free_port
 
 SYSTEMS = ("ours", "ours-nocache", "hf", "hf-cb")
 
@@ -43,12 +44,6 @@ class ServerSpec:
     admin_cache_path: str | None = None
     # A temporary directory the server owns (embedded Redis); removed after stop.
     data_dir: Path | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _venv_bin(name: str) -> str:

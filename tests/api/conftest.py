@@ -10,9 +10,9 @@ import httpx
 import pytest
 import redis
 
+from bench.live_server import ThreadServer
 from chatsvc.config import Limits, Settings
 from tests import http_helpers
-from tests.api.live_server import ThreadServer
 from tests.http_helpers import keyspace, new_session, say, unique  # noqa: F401 - re-exported
 from tests.redis_server import unique_prefix
 

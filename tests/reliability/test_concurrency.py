@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.api.live_server import wait_until
+from bench.live_server import wait_until
 from tests.reliability.conftest import (
     ACME_KEY,
     ADMIN_KEY,
