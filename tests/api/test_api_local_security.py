@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from bench.live_server import ThreadServer
 from chatsvc.config import Limits, Settings
@@ -60,12 +59,6 @@ def local(redis_server, tmp_path_factory):
 @pytest.fixture
 def http(local):
     with httpx.Client(base_url=local.url, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture
-def raw_redis(redis_server):
-    with redis.Redis.from_url(redis_server.url) as client:
         yield client
 
 
