@@ -1,6 +1,6 @@
 """Import modules with some imports forbidden, and report every forbidden attempt.
 
-    python -m tests.layering.import_guard BLOCKED MODULE...     (from the repository root)
+    PYTHONPATH=. python tests/layering/import_guard.py BLOCKED MODULE...   (repository root)
 
 ``BLOCKED`` is a comma-separated list of module names; a name blocks itself and
 everything under it (``chatsvc.api`` blocks ``chatsvc.api.app``). ``MODULE`` is a

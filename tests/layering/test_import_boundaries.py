@@ -6,8 +6,9 @@
     chatsvc/protocol  no torch                    (the engine's contract)
     chatsvc/api, chatsvc/service: no torch        (they talk to the engine through it)
     migrations/       no chatsvc                  (data the store applies)
+    bench/            no tests                    (the suites import bench, not the reverse)
 
-Each check runs in a fresh interpreter (tests.layering.import_guard) whose
+Each check runs in a fresh interpreter (tests/layering/import_guard.py) whose
 import system refuses the forbidden names, so what is checked is the imports that
 really run, optional ones included.
 """
@@ -15,6 +16,7 @@ really run, optional ones included.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +28,11 @@ GUARD = Path(__file__).with_name("import_guard.py")
 
 
 def guarded_import(blocked: list[str], modules: list[str]) -> dict:
+    # Run as a script (not -m tests...), so that the guard itself imports no package.
     result = subprocess.run(
-        [sys.executable, "-m", "tests.layering.import_guard", ",".join(blocked), *modules],
+        [sys.executable, str(GUARD), ",".join(blocked), *modules],
         cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=600,
@@ -90,6 +94,13 @@ def test_migrations_are_data_that_import_nothing_of_chatsvc():
     report = guarded_import(["chatsvc"], ["migrations.*"])
     assert_clean(report)
     assert "migrations.m0004_session_tokens_key" in report["imported"]
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    modules = ["bench.live_server", "bench.reliability.*", "bench.multiturn.servers"]
+    report = guarded_import(["tests"], modules)
+    assert_clean(report)
+    assert "bench.reliability.crash_loop" in report["imported"]
 
 
 def test_the_guard_sees_an_import_that_is_caught():
