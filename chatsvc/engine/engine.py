@@ -46,7 +46,7 @@ from chatsvc.engine.request import (
 )
 from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
-from chatsvc.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from chatsvc.engine.scheduler import ScheduledSequence, Scheduler
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
 from kernels.backend import resolve_backend
@@ -108,16 +108,7 @@ class LLMEngine:
             enable_prefix_cache=config.enable_prefix_cache,
             debug_checks=config.debug_checks,
         )
-        self.scheduler = Scheduler(
-            self.cache,
-            config.block_size,
-            SchedulerConfig(
-                config.max_num_batched_tokens,
-                config.max_num_seqs,
-                config.max_wait_steps,
-                max_defer_steps=config.max_defer_steps,
-            ),
-        )
+        self.scheduler = Scheduler(self.cache, config.block_size, config.scheduler)
         self.runner = ModelRunner(
             self.model, config.block_size, self.num_gpu_blocks, self.num_host_blocks
         )

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from cache import CachePlan, KVCacheManager
 from cache.errors import OutOfBlocksError
+from chatsvc.engine.config import SchedulerConfig
 from chatsvc.engine.errors import RequestTooLargeError
 from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.sequence import Sequence, SequenceStatus
@@ -56,28 +57,6 @@ from chatsvc.engine.sequence import Sequence, SequenceStatus
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
 # work when the queue is long; the rest keep FIFO order behind them.
 MAX_RANKED_CANDIDATES = 64
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Batch limits and the starvation bound of the waiting queue."""
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_wait_steps: int = 64  # a sequence waiting longer than this goes first
-    max_wait_s: float = 10.0  # ... or longer than this
-    max_defer_steps: int = 4  # steps a request may wait for another's prefill of its prefix
-
-    def validate(self) -> SchedulerConfig:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_wait_steps < 1 or self.max_wait_s <= 0:
-            raise ValueError("max_wait_steps and max_wait_s must be positive")
-        if self.max_defer_steps < 0:
-            raise ValueError("max_defer_steps must be >= 0")
-        return self
 
 
 @dataclass
