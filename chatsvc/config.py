@@ -1,7 +1,9 @@
 """Service settings, read once from ``CHATSVC_*`` environment variables.
 
-Engine settings (model, cache sizes, device) are not repeated here: they pass
-through to ``EngineConfig.from_env()``, which reads the same prefix.
+``Settings.from_env`` is the one place the service reads its environment: the
+engine's settings (model, cache sizes, device, the data directory) are not
+repeated here, they are ``EngineConfig.from_env`` of the same variables, built
+with the rest and handed down as ``Settings.engine``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str | None = None
-    # None = chatsvc.paths.data_dir() ($CHATSVC_DATA_DIR or ~/.cache/chatsvc).
+    # None = ~/.cache/chatsvc (chatsvc.paths).
     data_dir: Path | None = None
     key_prefix: str = "chatsvc"
     session_ttl_s: int | None = None
@@ -88,8 +90,8 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     # Opt-in debugging aid: log prompt and completion text (off: lengths only).
     log_text: bool = False
-    # None = EngineConfig.from_env() at start-up; tests pass a small config.
-    engine: EngineConfig | None = None
+    # from_env: EngineConfig.from_env of the same variables; tests pass a small config.
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
     def auth_enabled(self) -> bool:
@@ -111,8 +113,7 @@ class Settings:
 
     def redis_dir(self) -> Path:
         """Where the embedded server keeps its append-only file when no URL is set."""
-        root = self.data_dir if self.data_dir is not None else paths.data_dir()
-        return root / "redis"
+        return paths.data_dir(self.data_dir) / "redis"
 
     def validate(self) -> Settings:
         """Raise SettingsError on the first inconsistency; returns self for chaining."""
@@ -180,6 +181,10 @@ class Settings:
             }
         )
         ttl = get("SESSION_TTL_S")
+        try:
+            engine = EngineConfig.from_env(env)
+        except ValueError as exc:
+            raise SettingsError(f"engine settings: {exc}") from None
         return cls(
             host=get("HOST") or "127.0.0.1",
             port=_parse_int(ENV_PREFIX + "PORT", get("PORT"), 8000),
@@ -193,6 +198,7 @@ class Settings:
             allowed_hosts=_parse_list(get("ALLOWED_HOSTS")),
             limits=limits,
             log_text=_parse_bool(ENV_PREFIX + "LOG_TEXT", get("LOG_TEXT")),
+            engine=engine,
         ).validate()
 
 

@@ -93,10 +93,8 @@ def build_engine(settings: Settings) -> EngineClient:
     The only place the service names the implementation: importing it loads torch.
     """
     from chatsvc.engine.async_engine import AsyncEngine
-    from chatsvc.engine.config import EngineConfig
 
-    config = settings.engine if settings.engine is not None else EngineConfig.from_env()
-    return AsyncEngine(config)
+    return AsyncEngine(settings.engine)
 
 
 @asynccontextmanager

@@ -46,8 +46,9 @@ class EngineConfig:
     bytes of one block (all layers, K and V). ``num_host_blocks`` sizes the host
     tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
-    checker after every mutation (slow; for tests). The batch fields are the scheduler's
-    (``scheduler``).
+    checker after every mutation (slow; for tests). ``data_dir``: where the converted default
+    model and the compiled kernels are cached (the service's data directory; None:
+    ``~/.cache/chatsvc``). The batch fields are the scheduler's (``scheduler``).
     """
 
     model: str = "smollm2"
@@ -69,6 +70,7 @@ class EngineConfig:
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
     num_threads: int | None = None  # torch intra-op threads; None: one per CPU core
+    data_dir: str | None = None
 
     @property
     def scheduler(self) -> SchedulerConfig:

@@ -49,6 +49,8 @@ from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
 from chatsvc.engine.scheduler import ScheduledSequence, Scheduler
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
+from chatsvc.paths import kernels_dir
+from kernels import native
 from kernels.backend import resolve_backend
 
 log = logging.getLogger(__name__)
@@ -82,9 +84,15 @@ class LLMEngine:
         self.config = config.validate()
         set_torch_threads(config.num_threads)
         keep_freed_memory()
+        native.set_build_dir(kernels_dir(config.data_dir))
         if loaded is None:
             loaded = load_model(
-                config.model, config.dtype, config.device, config.max_model_len, config.seed
+                config.model,
+                config.dtype,
+                config.device,
+                config.max_model_len,
+                config.seed,
+                data_dir=config.data_dir,
             )
         self.loaded = loaded
         self.model = loaded.model

@@ -30,3 +30,12 @@ def test_the_scheduler_config_is_built_from_the_engine_config_alone():
     assert EngineConfig().scheduler == SchedulerConfig()
     with pytest.raises(ValueError, match="max_defer_steps"):
         EngineConfig(max_defer_steps=-1).validate()
+
+
+def test_the_engine_builds_its_kernels_in_its_data_dir(smollm2_fp32, tmp_path, monkeypatch):
+    from chatsvc.engine.engine import LLMEngine
+    from kernels import native
+
+    monkeypatch.setattr(native, "_build_dir", None)
+    LLMEngine(EngineConfig(dtype="fp32", num_gpu_blocks=8, data_dir=str(tmp_path)), smollm2_fp32)
+    assert native.build_dir() == tmp_path / "kernels"
