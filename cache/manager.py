@@ -70,10 +70,6 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.tiers.device.num_blocks
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.tiers.device.num_free
-
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` device blocks can be had (free + evictable)."""
         return num_blocks <= self.tiers.num_available

@@ -42,7 +42,6 @@ re-admitted once the others finished or were preempted.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -104,10 +103,6 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_deferrals = 0
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING)."""
@@ -271,6 +266,3 @@ class Scheduler:
         # sorted() is stable: equal prefixes keep arrival order.
         ranked = sorted(measured, key=cached_tokens, reverse=True) + rest[len(measured) :]
         return urgent, ranked
-
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)

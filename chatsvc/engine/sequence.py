@@ -60,7 +60,6 @@ class Sequence:
     num_preemptions: int = 0
     num_deferred_steps: int = 0  # steps admission skipped it to wait for a pending prefix
     was_admitted: bool = False
-    num_emitted_tokens: int = 0  # output tokens already handed to the caller
 
     @property
     def sampling(self) -> SamplingParams:

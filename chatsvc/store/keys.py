@@ -119,7 +119,3 @@ class Keys:
     def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session, the lock included: what delete removes."""
         return [*self.session_data_keys(session_id), self.session_lock(session_id)]
-
-    def everything_pattern(self) -> str:
-        """SCAN pattern matching every key under the prefix."""
-        return f"{self.prefix}:*"
