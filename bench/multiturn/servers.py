@@ -61,8 +61,8 @@ def build_spec(
     env["PYTHONUNBUFFERED"] = "1"
     # Every system gets the same intra-op threads: torch's default (one per core) unless
     # --threads says otherwise. On a quiet 2-core machine the peers run faster with two
-    # than with one (hf-cb TTFT 483 vs 702 ms, docs/benchmarks.md); on a machine busy
-    # with other jobs one thread each is the fairer setting.
+    # than with one (docs/benchmarks.md); on a machine busy with other jobs one thread
+    # each is the fairer setting.
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     host = ("--host", "127.0.0.1", "--port", str(port))

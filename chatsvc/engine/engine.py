@@ -96,8 +96,8 @@ class LLMEngine:
             )
         self.loaded = loaded
         self.model = loaded.model
-        # Chosen now, so a CPU engine builds its native kernels (a second or two, on the
-        # first start of a machine) before it reports ready, not in the first request.
+        # Chosen now, so a CPU engine builds its native kernels (on the first start of a
+        # machine) before it reports ready, not in the first request.
         self.kernel_backend = resolve_backend(None, self.model.device)
         self.tokenizer = loaded.tokenizer
         # Stop ids listed only in generation_config.json (Llama 3's <|eot_id|>) must end a

@@ -2,8 +2,8 @@
 de-quantized once into a cached safetensors directory.
 
 transformers reads the GGUF (tokenizer, chat template, config, Q4_1 weights) and
-de-quantizes it (~15 s on 2 cores); we save a plain bf16 Hugging Face directory so
-later starts read safetensors in seconds. Nothing is ever downloaded.
+de-quantizes it, which is slow; we save a plain bf16 Hugging Face directory once so
+later starts only read safetensors. Nothing is ever downloaded.
 """
 
 from __future__ import annotations

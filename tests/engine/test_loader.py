@@ -43,7 +43,7 @@ def test_default_model_shape(smollm2_fp32):
 
 
 def _fake_convert(gguf, out_dir):
-    # Writes what a finished conversion leaves, without the 15 s of de-quantizing.
+    # Writes what a finished conversion leaves, without de-quantizing anything.
     for name in weights_gguf._REQUIRED_FILES[:-1]:
         (out_dir / name).write_text(out_dir.name)
     (out_dir / weights_gguf.SOURCE_MARKER).write_text(

@@ -1,4 +1,4 @@
-"""Concurrency (issue 7, item 5): racing clients on one session, and clients that cut
+"""Concurrency: racing clients on one session, and clients that cut
 their streams at random points.
 
 Every client here has its own ``httpx.Client`` (its own connection), started
