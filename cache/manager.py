@@ -224,9 +224,7 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id)
         if not token_ids:
             raise ValueError("append_slots needs at least one token")
-        for token in token_ids:
-            if type(token) is not int or not 0 <= token < _MAX_TOKEN_ID:
-                raise ValueError(f"token ids must be ints in [0, 2**32), got {token!r}")
+        token_ids = _checked_tokens(token_ids)
         tiers = self.tiers
         bs = self.block_size
         blocks = seq.table.block_ids
