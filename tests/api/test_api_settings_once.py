@@ -54,3 +54,14 @@ def test_paths_and_kernels_take_the_configured_dir_not_the_environment(tmp_path,
     assert native.build_dir() == tmp_path / "configured" / "kernels"
     assert paths.data_dir(tmp_path / "configured") == tmp_path / "configured"
     assert not (tmp_path / "from-env").exists()
+
+
+def test_serve_refuses_a_bad_engine_variable_before_starting_anything(tmp_path, monkeypatch):
+    from bench.live_server import free_port
+    from chatsvc.__main__ import main
+
+    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("CHATSVC_PORT", str(free_port()))
+    monkeypatch.setenv("CHATSVC_NUM_GPU_BLOCKS", "many")
+    assert main(["serve"]) == 2  # bad settings, not a start-up that failed half way (3)
+    assert not (tmp_path / "data").exists()  # no embedded Redis was started
