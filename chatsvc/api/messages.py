@@ -26,6 +26,7 @@ from chatsvc.api.errors import (
     error_body,
     log_store_unavailable,
 )
+from chatsvc.api.openapi_streams import StreamingOperation
 from chatsvc.api.schemas import MessageList, MessageView, PostMessage, TextDelta, TurnResult
 from chatsvc.api.turn import UNKNOWN_SESSION, begin_turn, run_turn
 from chatsvc.store import InvalidInputError, StoreUnavailableError
@@ -38,6 +39,7 @@ class MessageController(Controller):
     @post(
         "/",
         summary="Send a user message and get the assistant's answer",
+        operation_class=StreamingOperation,
         status_code=200,
         responses={
             200: ResponseSpec(
