@@ -109,7 +109,7 @@ async def run(args, enable_prefix_cache: bool) -> dict:
     # this thread an OpenMP team too, and two teams on 2 cores slow every step.
     engine = AsyncEngine(config)
     await engine.start()
-    name, dtype = engine.model_name, engine.engine.model.dtype
+    name, dtype = engine.model_name, engine.info.dtype
     tracker = IdealTracker(config.block_size)
     rows: list = []
     start = time.perf_counter()

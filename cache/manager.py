@@ -95,10 +95,6 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.tiers.device.num_blocks
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.tiers.device.num_free
-
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` device blocks can be had (free + evictable)."""
         return num_blocks <= self.tiers.num_available
@@ -395,9 +391,7 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id)
         if not token_ids:
             raise ValueError("append_slots needs at least one token")
-        for token in token_ids:
-            if type(token) is not int or not 0 <= token < _MAX_TOKEN_ID:
-                raise ValueError(f"token ids must be ints in [0, 2**32), got {token!r}")
+        token_ids = _checked_tokens(token_ids)
         tiers = self.tiers
         bs = self.block_size
         blocks = seq.table.block_ids

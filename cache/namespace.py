@@ -53,10 +53,6 @@ class Namespace:
     def private_key(self) -> bytes:
         return self._private_key
 
-    def num_public_blocks(self, block_size: int) -> int:
-        """How many leading blocks lie wholly inside the shared prefix."""
-        return self.shared_prefix_len // block_size
-
     def is_public(self, block_index: int, block_size: int) -> bool:
         return (block_index + 1) * block_size <= self.shared_prefix_len
 

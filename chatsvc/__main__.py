@@ -71,7 +71,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from chatsvc.config import Settings
-    from migrations.runner import migrate
+    from chatsvc.store.schema import migrate
 
     settings = Settings.from_env()
     url = args.redis_url or settings.redis_url

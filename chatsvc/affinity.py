@@ -128,6 +128,6 @@ def record_turn(services: Any, turn: Any, metrics: Any, completion_tokens: int) 
         cached_tokens=metrics.cached_prompt_tokens,
         tokens_after=len(prompt) + completion_tokens,
     )
-    verdict = services.affinity.observe(history, services.engine.config.block_size)
+    verdict = services.affinity.observe(history, services.engine.info.block_size)
     if verdict is not None:
         services.metrics.observe_history_turn(verdict.kind, verdict.recomputed_tokens)

@@ -1,7 +1,9 @@
 """Service settings, read once from ``CHATSVC_*`` environment variables.
 
-Engine settings (model, cache sizes, device) are not repeated here: they pass
-through to ``EngineConfig.from_env()``, which reads the same prefix.
+``Settings.from_env`` is the one place the service reads its environment: the
+engine's settings (model, cache sizes, device, the data directory) are not
+repeated here, they are ``EngineConfig.from_env`` of the same variables, built
+with the rest and handed down as ``Settings.engine``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chatsvc import paths
+from chatsvc.engine.config import EngineConfig
 from chatsvc.store.validate import MAX_NAME_CHARS, MIN_API_KEY_CHARS
 
 ENV_PREFIX = "CHATSVC_"
@@ -76,7 +79,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str | None = None
-    # None = chatsvc.paths.data_dir() ($CHATSVC_DATA_DIR or ~/.cache/chatsvc).
+    # None = ~/.cache/chatsvc (chatsvc.paths).
     data_dir: Path | None = None
     key_prefix: str = "chatsvc"
     session_ttl_s: int | None = None
@@ -91,8 +94,8 @@ class Settings:
     log_text: bool = False
     # The ``replica`` label of this process's metrics; None = "<hostname>:<port>".
     replica_id: str | None = None
-    # None = EngineConfig.from_env() at start-up; tests pass a small config.
-    engine: Any = None
+    # from_env: EngineConfig.from_env of the same variables; tests pass a small config.
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
     def auth_enabled(self) -> bool:
@@ -114,8 +117,7 @@ class Settings:
 
     def redis_dir(self) -> Path:
         """Where the embedded server keeps its append-only file when no URL is set."""
-        root = self.data_dir if self.data_dir is not None else paths.data_dir()
-        return root / "redis"
+        return paths.data_dir(self.data_dir) / "redis"
 
     def validate(self) -> Settings:
         """Raise SettingsError on the first inconsistency; returns self for chaining."""
@@ -187,11 +189,20 @@ class Settings:
             }
         )
         ttl = get("SESSION_TTL_S")
+        try:
+            engine = EngineConfig.from_env(env)
+        except ValueError as exc:
+            raise SettingsError(f"engine settings: {exc}") from None
+        data_dir = Path(get("DATA_DIR")).expanduser() if get("DATA_DIR") else None
+        if engine.kv_disk_dir is None:
+            # The disk KV tier is on by default, beside the embedded Redis's data, so a
+            # restarted service finds its sessions' KV again ($CHATSVC_KV_DISK_DIR moves it).
+            engine = replace(engine, kv_disk_dir=str(paths.data_dir(data_dir) / "kv"))
         return cls(
             host=get("HOST") or "127.0.0.1",
             port=_parse_int(ENV_PREFIX + "PORT", get("PORT"), 8000),
             redis_url=get("REDIS_URL"),
-            data_dir=Path(get("DATA_DIR")).expanduser() if get("DATA_DIR") else None,
+            data_dir=data_dir,
             key_prefix=get("KEY_PREFIX") or "chatsvc",
             session_ttl_s=None if ttl is None else _parse_int(ENV_PREFIX + "SESSION_TTL_S", ttl, 0),
             turn_lock_ttl_s=_parse_int(ENV_PREFIX + "TURN_LOCK_TTL_S", get("TURN_LOCK_TTL_S"), 30),
@@ -201,6 +212,7 @@ class Settings:
             limits=limits,
             log_text=_parse_bool(ENV_PREFIX + "LOG_TEXT", get("LOG_TEXT")),
             replica_id=get("REPLICA_ID"),
+            engine=engine,
         ).validate()
 
 

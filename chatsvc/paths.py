@@ -1,8 +1,11 @@
-"""Where chatsvc keeps its files: one data directory, overridable by environment.
+"""Where chatsvc keeps its files: one data directory, given by the settings.
+
+``CHATSVC_DATA_DIR`` is read once, with the other settings (``chatsvc.config``);
+everything here takes the configured root (None: ``~/.cache/chatsvc``).
 
 Everything under it is private to the user the service runs as: conversations
-(the embedded Redis's append-only file), the local tenant's key and the
-compiled kernel library all live there. So every directory chatsvc creates is
+(the embedded Redis's append-only file), the converted models and the compiled
+kernel library all live there. So every directory chatsvc creates is
 0700 and every file 0600; a directory left with looser modes by an older
 version is tightened when chatsvc next uses it.
 """
@@ -13,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-DATA_DIR_ENV = "CHATSVC_DATA_DIR"
+DEFAULT_DATA_DIR = Path("~/.cache/chatsvc")
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
@@ -64,13 +67,22 @@ def write_private_file(path: str | os.PathLike[str], data: str) -> None:
         handle.write(data)
 
 
-def data_dir() -> Path:
-    """The data root: ``$CHATSVC_DATA_DIR`` or ``~/.cache/chatsvc``; created 0700 on demand."""
-    configured = os.environ.get(DATA_DIR_ENV)
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "chatsvc"
-    return private_dir(root)
+def data_root(root: str | os.PathLike[str] | None = None) -> Path:
+    """The data root's path: ``root``, or ``~/.cache/chatsvc`` when None (not created)."""
+    return Path(root if root is not None else DEFAULT_DATA_DIR).expanduser()
 
 
-def models_dir() -> Path:
+def data_dir(root: str | os.PathLike[str] | None = None) -> Path:
+    """The data root (``data_root(root)``) as a private directory, created 0700 on demand."""
+    return private_dir(data_root(root))
+
+
+def models_dir(root: str | os.PathLike[str] | None = None) -> Path:
     """Converted model directories (e.g. the de-quantized default model); created on demand."""
-    return private_dir(data_dir() / "models")
+    return private_dir(data_dir(root) / "models")
+
+
+def kernels_dir(root: str | os.PathLike[str] | None = None) -> Path:
+    """Where the native kernel library is built and cached (``kernels.native`` creates it
+    and checks it is private before it loads anything from it)."""
+    return data_root(root) / "kernels"

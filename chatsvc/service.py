@@ -19,6 +19,7 @@ import anyio
 from chatsvc.affinity import AffinityTracker
 from chatsvc.config import LOCAL_TENANT, Settings
 from chatsvc.metrics import Metrics, UsageStats, replica_label
+from chatsvc.protocol import EngineClient
 from chatsvc.store import Store
 from chatsvc.tenants import TenantDirectory
 
@@ -33,9 +34,10 @@ class StreamLimiter:
         self._active: dict[str, int] = {}
 
     def try_acquire(self, tenant_id: str) -> bool:
-        if self._active.get(tenant_id, 0) >= self.limit:
+        held = self.active(tenant_id)
+        if held >= self.limit:
             return False
-        self._active[tenant_id] = self._active.get(tenant_id, 0) + 1
+        self._active[tenant_id] = held + 1
         return True
 
     def release(self, tenant_id: str) -> None:
@@ -46,6 +48,7 @@ class StreamLimiter:
             self._active.pop(tenant_id, None)
 
     def active(self, tenant_id: str) -> int:
+        """Generations the tenant runs now."""
         return self._active.get(tenant_id, 0)
 
 
@@ -55,7 +58,7 @@ class Services:
 
     settings: Settings
     store: Store
-    engine: Any  # chatsvc.engine.AsyncEngine (kept untyped: importing it loads torch)
+    engine: EngineClient
     metrics: Metrics = field(default_factory=Metrics)
     usage: UsageStats = field(default_factory=UsageStats)
     affinity: AffinityTracker = field(default_factory=AffinityTracker)
@@ -88,19 +91,14 @@ async def bootstrap_tenants(store: Store, settings: Settings) -> TenantDirectory
     return TenantDirectory(local=await store.ensure_tenant(LOCAL_TENANT))
 
 
-def build_engine(settings: Settings) -> Any:
-    from dataclasses import replace
+def build_engine(settings: Settings) -> EngineClient:
+    """The engine for ``settings.engine`` (loaded by ``start()``, not here).
 
-    from chatsvc.engine import AsyncEngine, EngineConfig
+    The only place the service names the implementation: importing it loads torch.
+    """
+    from chatsvc.engine.async_engine import AsyncEngine
 
-    config = settings.engine
-    if config is None:
-        config = EngineConfig.from_env()
-        if config.kv_disk_dir is None:
-            # The disk KV tier is on by default, beside the embedded Redis's data, so a
-            # restarted service finds its sessions' KV again ($CHATSVC_KV_DISK_DIR moves it).
-            config = replace(config, kv_disk_dir=str(settings.redis_dir().parent / "kv"))
-    return AsyncEngine(config)
+    return AsyncEngine(settings.engine)
 
 
 @asynccontextmanager
@@ -128,15 +126,17 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         engine = build_engine(settings)
         services = Services(settings=settings, store=store, engine=engine, tenants=tenants)
         await engine.start()
-        core = engine.engine
+        info = engine.info
+        # The library's hash tells an operator which compiled kernels run inside the service.
+        digest = info.kernel_library_sha256
         log.info(
             "engine ready: %s, %s, kernels %s%s, %d KV blocks of %d tokens",
-            core.model_name,
-            core.model.dtype,
-            core.kernel_backend,
-            _kernel_library_note(core.kernel_backend),
-            core.num_gpu_blocks,
-            core.config.block_size,
+            info.model_name,
+            info.dtype,
+            info.kernel_backend,
+            f" (library sha256 {digest})" if digest else "",
+            info.num_gpu_blocks,
+            info.block_size,
         )
         services.engine_started = True
         stack.push_async_callback(engine.stop)
@@ -150,16 +150,6 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         )
         yield services
         services.engine_started = False
-
-
-def _kernel_library_note(backend: str) -> str:
-    # Which compiled library runs inside the service: its hash, for an operator to check.
-    if backend != "native":
-        return ""
-    from kernels import native
-
-    digest = native.library_sha256()
-    return f" (library sha256 {digest})" if digest else ""
 
 
 def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:

@@ -1,11 +1,11 @@
 """Build and load the C kernels (``kernels/cpu_*.c``) the CPU path runs.
 
 They are compiled on first use with the machine's C compiler (``$CC``, else
-``gcc``) for this CPU (``-march=native``) and cached as a shared library under
-``$CHATSVC_DATA_DIR/kernels`` (default ``~/.cache/chatsvc/kernels``, the data
-directory of ``chatsvc.paths``), named by a hash of the sources, the flags, the
-compiler and the CPU, so an edit or another machine builds afresh. A build
-takes about a second; concurrent builders each write a temporary file and
+``gcc``) for this CPU (``-march=native``) and cached as a shared library in the
+build directory (``set_build_dir``: the engine passes ``kernels/`` of the
+service's data directory; default ``~/.cache/chatsvc/kernels``), named by a hash
+of the sources, the flags, the compiler and the CPU, so an edit or another
+machine builds afresh. Concurrent builders each write a temporary file and
 rename it into place.
 
 Where no compiler works, ``library()`` returns None once it has logged why, and
@@ -80,12 +80,20 @@ _error: str | None = None
 PRIVATE_DIR_MODE = 0o700
 # Group or other write on a library or its directory lets someone else swap the code.
 _FOREIGN_WRITE = stat.S_IWGRP | stat.S_IWOTH
+DEFAULT_BUILD_DIR = Path("~/.cache/chatsvc/kernels")
+_build_dir: Path | None = None
+
+
+def set_build_dir(path: str | os.PathLike[str] | None) -> None:
+    """Build and cache the library under ``path`` from now on (None: the default,
+    ``~/.cache/chatsvc/kernels``). A library already loaded stays the one in use."""
+    global _build_dir
+    _build_dir = None if path is None else Path(path).expanduser()
 
 
 def build_dir() -> Path:
-    configured = os.environ.get("CHATSVC_DATA_DIR")
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "chatsvc"
-    return root / "kernels"
+    """Where ``build`` puts the library (``set_build_dir``)."""
+    return _build_dir if _build_dir is not None else DEFAULT_BUILD_DIR.expanduser()
 
 
 def default_flags() -> list[str]:

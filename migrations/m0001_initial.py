@@ -12,13 +12,12 @@ import time
 
 import redis.asyncio as aredis
 
-from chatsvc.store.keys import Keys
-from migrations.runner import Migration
+from migrations.keyspace import KeyNames
+
+VERSION = 1
+NAME = "initial"
 
 
-async def up(client: aredis.Redis, keys: Keys) -> None:
+async def up(client: aredis.Redis, keys: KeyNames) -> None:
     await client.hsetnx(keys.meta(), "created_at", repr(time.time()))
     await client.hset(keys.meta(), "layout", "1")
-
-
-MIGRATION = Migration(1, "initial", up)

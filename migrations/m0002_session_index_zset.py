@@ -12,20 +12,30 @@ either the old SET or the finished sorted set, never a half-built index.
 
 from __future__ import annotations
 
+import msgspec
 import redis.asyncio as aredis
 
-from chatsvc.store.keys import Keys
-from chatsvc.store.records import SessionRecord, decode
-from migrations.runner import Migration
+from migrations.keyspace import KeyNames
+
+VERSION = 2
+NAME = "session_index_zset"
 
 
-async def _convert(client: aredis.Redis, keys: Keys, index_key: str) -> None:
+class _Session(msgspec.Struct):
+    # The one field this migration reads from a layout-1 session record.
+    updated_at: float
+
+
+_decoder = msgspec.msgpack.Decoder(_Session)
+
+
+async def _convert(client: aredis.Redis, keys: KeyNames, index_key: str) -> None:
     scratch = f"{index_key}:m0002"
     await client.delete(scratch)
     session_ids = sorted(m.decode() for m in await client.smembers(index_key))
     raws = await client.mget([keys.session(sid) for sid in session_ids]) if session_ids else []
     scores = {
-        sid: decode(SessionRecord, raw).updated_at
+        sid: _decoder.decode(raw).updated_at
         for sid, raw in zip(session_ids, raws, strict=True)
         if raw is not None
     }
@@ -39,10 +49,7 @@ async def _convert(client: aredis.Redis, keys: Keys, index_key: str) -> None:
         await pipe.execute()
 
 
-async def up(client: aredis.Redis, keys: Keys) -> None:
+async def up(client: aredis.Redis, keys: KeyNames) -> None:
     async for raw_key in client.scan_iter(match=keys.tenant_sessions_pattern(), _type="set"):
         await _convert(client, keys, raw_key.decode())
     await client.hset(keys.meta(), "layout", "2")
-
-
-MIGRATION = Migration(2, "session_index_zset", up)

@@ -22,13 +22,30 @@ from __future__ import annotations
 import msgspec
 import redis.asyncio as aredis
 
-from chatsvc.store.keys import Keys
-from chatsvc.store.records import SystemPromptRecord, TenantRecord, decode, encode
-from migrations.runner import Migration
+from migrations.keyspace import KeyNames
+
+VERSION = 3
+NAME = "tenant_names_and_operator_prompts"
 
 
-async def _claim_names(client: aredis.Redis, keys: Keys) -> None:
-    newest: dict[str, TenantRecord] = {}
+class _Tenant(msgspec.Struct):
+    # What this migration reads of a layout-2 tenant record.
+    id: str
+    name: str
+    created_at: float
+
+
+class _Prompt(msgspec.Struct):
+    # What this migration reads of a layout-2 system prompt record.
+    tenant_id: str | None
+
+
+_tenant_decoder = msgspec.msgpack.Decoder(_Tenant)
+_prompt_decoder = msgspec.msgpack.Decoder(_Prompt)
+
+
+async def _claim_names(client: aredis.Redis, keys: KeyNames) -> None:
+    newest: dict[str, _Tenant] = {}
     record_prefix = keys.tenant("")
     async for raw_key in client.scan_iter(match=keys.tenant_records_pattern(), _type="string"):
         if ":" in raw_key.decode()[len(record_prefix) :]:
@@ -36,7 +53,7 @@ async def _claim_names(client: aredis.Redis, keys: Keys) -> None:
         raw = await client.get(raw_key)
         if raw is None:
             continue
-        tenant = decode(TenantRecord, raw)
+        tenant = _tenant_decoder.decode(raw)
         held = newest.get(tenant.name)
         if held is None or (tenant.created_at, tenant.id) > (held.created_at, held.id):
             newest[tenant.name] = tenant
@@ -44,7 +61,7 @@ async def _claim_names(client: aredis.Redis, keys: Keys) -> None:
         await client.hsetnx(keys.tenant_names(), name, tenant.id)
 
 
-async def _drop_key_records(client: aredis.Redis, keys: Keys) -> None:
+async def _drop_key_records(client: aredis.Redis, keys: KeyNames) -> None:
     batch: list[bytes] = []
     async for raw_key in client.scan_iter(match=keys.legacy_api_keys_pattern()):
         batch.append(raw_key)
@@ -55,29 +72,27 @@ async def _drop_key_records(client: aredis.Redis, keys: Keys) -> None:
         await client.delete(*batch)
 
 
-async def _unshare_tenant_prompts(client: aredis.Redis, keys: Keys) -> None:
+async def _unshare_tenant_prompts(client: aredis.Redis, keys: KeyNames) -> None:
     for raw_id in await client.smembers(keys.shared_prompts()):
         prompt_id = raw_id.decode()
         raw = await client.get(keys.prompt(prompt_id))
         if raw is None:
             await client.srem(keys.shared_prompts(), prompt_id)
             continue
-        prompt = decode(SystemPromptRecord, raw)
+        prompt = _prompt_decoder.decode(raw)
         if prompt.tenant_id is None:
             continue  # published by the operator: stays shared
-        private = msgspec.structs.replace(prompt, shared=False)
+        # Rewritten as a plain map so every field of the record survives, in its order.
+        private = {**msgspec.msgpack.decode(raw), "shared": False}
         async with client.pipeline(transaction=True) as pipe:
-            pipe.set(keys.prompt(prompt_id), encode(private))
+            pipe.set(keys.prompt(prompt_id), msgspec.msgpack.encode(private))
             pipe.sadd(keys.tenant_prompts(prompt.tenant_id), prompt_id)
             pipe.srem(keys.shared_prompts(), prompt_id)
             await pipe.execute()
 
 
-async def up(client: aredis.Redis, keys: Keys) -> None:
+async def up(client: aredis.Redis, keys: KeyNames) -> None:
     await _claim_names(client, keys)
     await _drop_key_records(client, keys)
     await _unshare_tenant_prompts(client, keys)
     await client.hset(keys.meta(), "layout", "3")
-
-
-MIGRATION = Migration(3, "tenant_names_and_operator_prompts", up)

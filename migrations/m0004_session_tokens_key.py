@@ -18,9 +18,10 @@ import msgspec
 import redis.asyncio as aredis
 from redis.exceptions import WatchError
 
-from chatsvc.store.keys import Keys
-from chatsvc.store.records import SessionSummary, encode, encode_tokens
-from migrations.runner import Migration
+from migrations.keyspace import KeyNames
+
+VERSION = 4
+NAME = "session_tokens_key"
 
 
 class _Layout2Session(msgspec.Struct, kw_only=True):
@@ -35,10 +36,24 @@ class _Layout2Session(msgspec.Struct, kw_only=True):
     token_ids: list[int] | None = None
 
 
+class _Layout4Summary(msgspec.Struct, kw_only=True):
+    # The session summary of layout 4, field for field (chatsvc.store.records.SessionSummary
+    # as this migration wrote it): encoded as a map in this order.
+    id: str
+    tenant_id: str
+    system_prompt_id: str | None
+    metadata: dict[str, str]
+    created_at: float
+    updated_at: float
+    num_messages: int = 0
+    num_tokens: int = 0
+
+
 _decoder = msgspec.msgpack.Decoder(_Layout2Session)
+_encoder = msgspec.msgpack.Encoder()
 
 
-async def _convert(client: aredis.Redis, keys: Keys, summary_key: str) -> None:
+async def _convert(client: aredis.Redis, keys: KeyNames, summary_key: str) -> None:
     while True:
         async with client.pipeline(transaction=True) as pipe:
             # WATCH: a replica still on layout 2 may rewrite the record meanwhile.
@@ -52,9 +67,10 @@ async def _convert(client: aredis.Redis, keys: Keys, summary_key: str) -> None:
             ttl_ms = await pipe.pttl(summary_key)
             tokens_key = keys.session_tokens(old.id)
             pipe.multi()
-            pipe.set(tokens_key, encode_tokens(old.token_ids))
+            # The token history is a msgpack array of ints.
+            pipe.set(tokens_key, _encoder.encode(old.token_ids))
             # KEEPTTL: the summary keeps the idle expiry it had.
-            pipe.set(summary_key, encode(_summary(old)), keepttl=True)
+            pipe.set(summary_key, _encoder.encode(_summary(old)), keepttl=True)
             if ttl_ms > 0:
                 pipe.pexpire(tokens_key, ttl_ms)
             try:
@@ -64,8 +80,8 @@ async def _convert(client: aredis.Redis, keys: Keys, summary_key: str) -> None:
                 continue
 
 
-def _summary(old: _Layout2Session) -> SessionSummary:
-    return SessionSummary(
+def _summary(old: _Layout2Session) -> _Layout4Summary:
+    return _Layout4Summary(
         id=old.id,
         tenant_id=old.tenant_id,
         system_prompt_id=old.system_prompt_id,
@@ -77,10 +93,7 @@ def _summary(old: _Layout2Session) -> SessionSummary:
     )
 
 
-async def up(client: aredis.Redis, keys: Keys) -> None:
+async def up(client: aredis.Redis, keys: KeyNames) -> None:
     async for raw_key in client.scan_iter(match=keys.sessions_pattern(), _type="string"):
         await _convert(client, keys, raw_key.decode())
     await client.hset(keys.meta(), "layout", "4")
-
-
-MIGRATION = Migration(4, "session_tokens_key", up)

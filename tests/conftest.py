@@ -7,14 +7,22 @@ test session; tests keep apart by key prefix (tests/redis_server.py).
 from __future__ import annotations
 
 import pytest
+import redis
 
-from tests.redis_server import test_server
+from tests.redis_server import started_server
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    with test_server(tmp_path_factory.mktemp("redis")) as server:
+    with started_server(tmp_path_factory.mktemp("redis")) as server:
         yield server
+
+
+@pytest.fixture
+def raw_redis(redis_server):
+    """A plain (sync) redis-py client on the test server, to look behind the service."""
+    with redis.Redis.from_url(redis_server.url) as client:
+        yield client
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ Any conftest can use it:
 
     @pytest.fixture(scope="session")
     def redis_server(tmp_path_factory):
-        with test_server(tmp_path_factory.mktemp("redis")) as server:
+        with started_server(tmp_path_factory.mktemp("redis")) as server:
             yield server
 
 Tests share the server and keep apart by key prefix (``unique_prefix()``).
@@ -21,7 +21,7 @@ from chatsvc.store.embedded import EmbeddedRedis
 
 
 @contextlib.contextmanager
-def test_server(data_dir: Path, appendfsync: str = "everysec") -> Iterator[EmbeddedRedis]:
+def started_server(data_dir: Path, appendfsync: str = "everysec") -> Iterator[EmbeddedRedis]:
     """Start an EmbeddedRedis in ``data_dir`` for the block.
 
     ``everysec`` by default: the shared test server need not fsync every write;
@@ -33,9 +33,6 @@ def test_server(data_dir: Path, appendfsync: str = "everysec") -> Iterator[Embed
         yield server
     finally:
         server.stop()
-
-
-test_server.__test__ = False  # not a test, despite the name
 
 
 def unique_prefix(label: str = "t") -> str:

@@ -1,6 +1,6 @@
 """``python -m bench.multiturn``: run the multi-turn benchmark and write its figures.
 
-Defaults (16 conversations x 6 turns, concurrency 8) are the issue's target config;
+Defaults (16 conversations x 6 turns, concurrency 8) are the target configuration;
 ``--smoke`` runs a tiny one that only checks the harness end to end.
 """
 

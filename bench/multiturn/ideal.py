@@ -18,7 +18,7 @@ Rules (block granularity, like a paged prefix cache):
 
 Two variants:
 
-- ``causal=False`` (the issue's ideal): everything any earlier-sent request computes
+- ``causal=False`` (the benchmark's ideal): everything any earlier-sent request computes
   counts, as if each token were computed once (concurrent first turns share the system
   prompt; a scheduler would have to hold the later one back to get this).
 - ``causal=True``: only what was computed *when the request arrived*: an earlier

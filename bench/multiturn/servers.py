@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench.live_server import free_port
 
 SYSTEMS = ("ours", "ours-nocache", "hf", "hf-cb")
 
@@ -45,12 +46,6 @@ class ServerSpec:
     data_dir: Path | None = None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _venv_bin(name: str) -> str:
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
@@ -66,8 +61,8 @@ def build_spec(
     env["PYTHONUNBUFFERED"] = "1"
     # Every system gets the same intra-op threads: torch's default (one per core) unless
     # --threads says otherwise. On a quiet 2-core machine the peers run faster with two
-    # than with one (hf-cb TTFT 483 vs 702 ms, docs/benchmarks.md); on a machine busy
-    # with other jobs one thread each is the fairer setting.
+    # than with one (docs/benchmarks.md); on a machine busy with other jobs one thread
+    # each is the fairer setting.
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     host = ("--host", "127.0.0.1", "--port", str(port))

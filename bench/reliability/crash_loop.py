@@ -25,11 +25,11 @@ from pathlib import Path
 
 import httpx
 
+from bench.live_server import ProcessServer
 from bench.reliability.history import Attempt, ConversationLog, verify
 from bench.reliability.sse import stream_turn
 from chatsvc.store import Store
 from chatsvc.store.embedded import EmbeddedRedis
-from tests.api.live_server import ProcessServer
 
 API_KEY = "crash-loop-tenant-key-0001"
 TENANT = "crash"

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.live_server import ProcessServer
 from bench.reliability.crash_loop import TOPICS
 from bench.reliability.sse import stream_turn
 from chatsvc.store.embedded import EmbeddedRedis
-from tests.api.live_server import ProcessServer
 
 API_KEY = "soak-tenant-key-00000001"
 ADMIN_KEY = "soak-admin-key-000000001"

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.live_server import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
 # The passive health check of every replica line (see deploy/nginx/chatsvc-upstreams.conf).
@@ -57,12 +59,6 @@ def ensure_nginx() -> str:
     if result.returncode != 0 or not found:
         raise NginxUnavailable(f"apt-get install nginx failed:\n{result.stderr[-2000:]}")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def upstream_lines(addresses: list[str], health: str = HEALTH) -> str:

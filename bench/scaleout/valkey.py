@@ -13,22 +13,16 @@ append-only file fsynced on every write on every node.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from bench.live_server import free_port
 from chatsvc.store.embedded import server_binary
 
 SERVICE_NAME = "chatsvc"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:

@@ -21,7 +21,8 @@ from chatsvc.api.errors import (
 from chatsvc.api.schemas import CreateSharedPrompt, SystemPromptList, SystemPromptView
 from chatsvc.api.system_prompts import UNKNOWN_PROMPT, prompt_view
 from chatsvc.metrics import CONTENT_TYPE
-from chatsvc.store.errors import LimitExceededError
+from chatsvc.protocol import EngineClient, EngineStoppedError
+from chatsvc.store.errors import InvalidInputError, LimitExceededError
 
 
 class AdminController(Controller):
@@ -43,8 +44,6 @@ class AdminController(Controller):
         (definitions in chatsvc/affinity.py)."""
         # Both wait for the engine thread to finish its current step, so they see
         # the same consistent state between steps.
-        from chatsvc.engine.errors import EngineStoppedError
-
         try:
             engine = await anyio.to_thread.run_sync(services.engine.cache_stats)
             integrity = await anyio.to_thread.run_sync(_integrity, services.engine)
@@ -91,7 +90,7 @@ class AdminController(Controller):
             raise RateLimitError(
                 f"there are already {limit} shared system prompts; withdraw some first"
             ) from None
-        except ValueError as exc:
+        except InvalidInputError as exc:
             raise InvalidRequestError(str(exc)) from None
         return prompt_view(prompt)
 
@@ -115,13 +114,13 @@ class AdminController(Controller):
         of theirs hash its blocks privately. A tenant's private prompt answers 404."""
         try:
             deleted = await services.store.delete_shared_prompt(prompt_id)
-        except ValueError:
+        except InvalidInputError:
             deleted = False
         if not deleted:
             raise NotFoundError(UNKNOWN_PROMPT)
 
 
-def _integrity(engine: Any) -> str:
+def _integrity(engine: EngineClient) -> str:
     try:
         engine.check_integrity()
     except AssertionError as exc:  # CacheIntegrityError is one; a report, not a 500

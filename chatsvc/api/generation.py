@@ -11,17 +11,31 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import anyio
+from jinja2 import TemplateError
 
+from cache import Namespace
 from chatsvc.api.errors import (
     ContextLengthError,
     InternalServerError,
     InvalidRequestError,
     RateLimitError,
     ServiceUnavailableError,
+)
+from chatsvc.protocol import (
+    ChatTemplate,
+    EngineInternalError,
+    EngineStoppedError,
+    GenerationDelta,
+    GenerationRequest,
+    RequestMetrics,
+    RequestTooLargeError,
+    RequestValidationError,
+    SamplingParams,
+    TokenLogprob,
 )
 from chatsvc.service import Services
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
@@ -38,12 +52,12 @@ class SampleResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    metrics: object | None = None  # chatsvc.engine.request.RequestMetrics
-    logprobs: list = field(default_factory=list)  # chatsvc.engine.request.TokenLogprob
-    prompt_logprobs: tuple | None = None
+    metrics: RequestMetrics | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
-    def add(self, delta) -> None:
-        """Fold in one engine delta of this sample."""
+    def add(self, delta: GenerationDelta) -> None:
+        """Take in one delta of this sample."""
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
@@ -53,6 +67,11 @@ class SampleResult:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.metrics = delta.metrics
+
+    @property
+    def finished(self) -> bool:
+        """Ended with its final figures, and not by an abort."""
+        return self.finish_reason not in (None, "abort") and self.metrics is not None
 
 
 def build_sampling(
@@ -67,8 +86,8 @@ def build_sampling(
     n: int = 1,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
-    **options,
-):
+    **options: Any,
+) -> tuple[SamplingParams, int | None]:
     """SamplingParams from request fields, with the service's caps; 400 on bad values.
 
     A sampling field given as None takes the served model's default
@@ -77,8 +96,6 @@ def build_sampling(
     ignore_eos, stop_token_ids, logprobs, prompt_logprobs). ``max_tokens`` stays None
     here when not given: it is resolved against the prompt's length by ``fit_context``.
     """
-    from chatsvc.engine import SamplingParams
-
     defaults = services.engine.sampling_defaults
     limits = services.settings.limits
     if max_tokens is not None and max_tokens > limits.max_tokens_cap:
@@ -104,7 +121,7 @@ def build_sampling(
             ),
             **options,
         ).validate(services.engine.vocab_size)
-    except (ValueError, TypeError) as exc:
+    except (RequestValidationError, TypeError) as exc:
         raise InvalidRequestError(str(exc)) from None
     return params, max_tokens
 
@@ -112,18 +129,16 @@ def build_sampling(
 def fit_context(
     services: Services,
     prompt_len: int,
-    sampling,
+    sampling: SamplingParams,
     requested: int | None,
     default_max_tokens: int | None = None,
-):
+) -> SamplingParams:
     """Return sampling with max_tokens fitted to the model's context; 400 if it cannot fit.
 
     An explicit max_tokens that overflows the context is an error (as in
     OpenAI's API) rather than a silent truncation; an absent one takes the
     room that is left, up to the server's cap (and ``default_max_tokens``).
     """
-    from dataclasses import replace
-
     limit = services.engine.max_context_len
     room = limit - prompt_len
     if room < 1:
@@ -174,13 +189,11 @@ async def format_chat(call: Callable[..., T], *args: Any) -> T:
     A large conversation takes long to render and tokenize; on the event loop
     that would stall every other request and the turn locks' renewals. The
     engine thread is not used: it is reserved for the model. A conversation the
-    chat format or the template refuses is a 400.
+    chat format or the template refuses is a 400; any other failure is ours (500).
     """
-    from jinja2 import TemplateError
-
     try:
         return await anyio.to_thread.run_sync(functools.partial(call, *args))
-    except ValueError as exc:
+    except RequestValidationError as exc:
         raise InvalidRequestError(str(exc)) from None
     except TemplateError as exc:
         raise InvalidRequestError(f"the chat template refused the conversation: {exc}") from None
@@ -196,7 +209,7 @@ async def system_prefix_tokens(services: Services, text: str) -> list[int]:
     return await format_chat(_system_prefix, services.engine.chat_format, text)
 
 
-def _system_prefix(fmt, text: str) -> list[int]:
+def _system_prefix(fmt: ChatTemplate, text: str) -> list[int]:
     a = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "a"}])
     b = fmt.render([{"role": "system", "content": text}, {"role": "user", "content": "Zq"}])
     n = 0
@@ -205,10 +218,8 @@ def _system_prefix(fmt, text: str) -> list[int]:
     return a[:n]
 
 
-def namespace_for(tenant: TenantRecord, shared_len: int):
+def namespace_for(tenant: TenantRecord, shared_len: int) -> Namespace:
     """The cache namespace of a tenant's prompt whose first ``shared_len`` tokens are public."""
-    from cache import Namespace
-
     return Namespace(tenant_salt=tenant.cache_salt, shared_prefix_len=shared_len, label=tenant.id)
 
 
@@ -234,7 +245,9 @@ def new_request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-async def generate(services: Services, request) -> AsyncIterator:
+async def generate(
+    services: Services, request: GenerationRequest
+) -> AsyncIterator[GenerationDelta]:
     """The engine's deltas for ``request``; leaving early aborts it and frees its blocks.
 
     The engine's errors become API errors: a bad request -> 400 (too large for the
@@ -243,13 +256,6 @@ async def generate(services: Services, request) -> AsyncIterator:
     raises -> 500 server_error with a generic message (the detail is logged, never
     sent: it may describe the engine's internals).
     """
-    from chatsvc.engine.errors import (
-        EngineInternalError,
-        EngineStoppedError,
-        RequestTooLargeError,
-        RequestValidationError,
-    )
-
     try:
         async with aclosing(services.engine.generate(request)) as deltas:
             async for delta in deltas:
@@ -270,7 +276,9 @@ async def generate(services: Services, request) -> AsyncIterator:
         raise InternalServerError(ENGINE_FAILED) from None
 
 
-def record_finished(services: Services, endpoint: str, labels: dict[str, str], samples) -> None:
+def record_finished(
+    services: Services, endpoint: str, labels: dict[str, str], samples: list[SampleResult]
+) -> None:
     """Feed a finished request's usage into the admin stats and the Prometheus metrics."""
     first = samples[0].metrics
     if first is None:

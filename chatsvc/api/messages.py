@@ -29,7 +29,7 @@ from chatsvc.api.errors import (
 from chatsvc.api.openapi_streams import StreamingOperation
 from chatsvc.api.schemas import MessageList, MessageView, PostMessage, TextDelta, TurnResult
 from chatsvc.api.turn import UNKNOWN_SESSION, begin_turn, run_turn
-from chatsvc.store import StoreUnavailableError
+from chatsvc.store import InvalidInputError, StoreUnavailableError
 
 
 class MessageController(Controller):
@@ -85,7 +85,7 @@ class MessageController(Controller):
     ) -> MessageList:
         try:
             messages = await services.store.get_messages(tenant.id, session_id)
-        except ValueError:
+        except InvalidInputError:
             messages = None
         if messages is None:
             raise NotFoundError(UNKNOWN_SESSION)

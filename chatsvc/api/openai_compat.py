@@ -47,6 +47,7 @@ from chatsvc.api.openai_schemas import (
 )
 from chatsvc.api.openapi_streams import StreamingOperation
 from chatsvc.api.system_prompts import named_system_prompt
+from chatsvc.protocol import GenerationRequest
 
 ENDPOINT = "chat_completions"
 
@@ -62,7 +63,7 @@ class OpenAIController(Controller):
             id=engine.model_name,
             created=services.started,
             max_model_len=engine.max_context_len,
-            kv_block_size=engine.block_size,
+            kv_block_size=engine.info.block_size,
         )
         return ModelList(data=[model])
 
@@ -160,9 +161,7 @@ def _logprobs_of(data: ChatCompletionRequest) -> int | None:
 
 async def _build_request(
     services: ServicesDep, tenant: TenantDep, data: JSONBody[ChatCompletionRequest]
-):
-    from chatsvc.engine import GenerationRequest
-
+) -> GenerationRequest:
     check_model(services, data.model)
     if data.max_tokens is not None and data.max_completion_tokens is not None:
         raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
@@ -186,7 +185,7 @@ async def _build_request(
     )
 
 
-async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
+async def _collect(services: ServicesDep, request: GenerationRequest) -> list[gen.SampleResult]:
     samples = [gen.SampleResult() for _ in range(request.sampling.n)]
     async for delta in gen.generate(services, request):
         samples[delta.index].add(delta)
@@ -197,7 +196,7 @@ async def _collect(services: ServicesDep, request) -> list[gen.SampleResult]:
 
 def _check_finished(services: ServicesDep, samples: list[gen.SampleResult]) -> None:
     # The same answer as the native path's for an aborted generation: 503, retry later.
-    if any(s.finish_reason in (None, "abort") for s in samples):
+    if not all(s.finished for s in samples):
         services.metrics.observe_failure(ENDPOINT, "aborted")
         raise ServiceUnavailableError("the generation was aborted")
 
@@ -216,7 +215,12 @@ def _usage(samples: list[gen.SampleResult]) -> CompletionUsage:
 
 
 async def _stream(
-    services: ServicesDep, request, slot, completion_id: str, created: int, include_usage: bool
+    services: ServicesDep,
+    request: GenerationRequest,
+    slot: gen.StreamSlot,
+    completion_id: str,
+    created: int,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     model = services.engine.model_name
 

@@ -15,6 +15,7 @@ import logging
 
 from chatsvc.api import generation as gen
 from chatsvc.service import Services
+from chatsvc.store import InvalidInputError
 from chatsvc.store.records import SessionRecord, TenantRecord
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ async def delete_session_and_kv(services: Services, tenant: TenantRecord, sessio
     keep = await shared_with_other_sessions(services, tenant, session)
     try:
         deleted = await services.store.delete_session(tenant.id, session_id)
-    except ValueError:
+    except InvalidInputError:
         deleted = False
     if deleted:
         await forget_session_kv(services, tenant, session, keep)

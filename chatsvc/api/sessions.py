@@ -16,6 +16,7 @@ from chatsvc.api.errors import (
 from chatsvc.api.schemas import CreateSession, SessionList, SessionView
 from chatsvc.api.session_kv import delete_session_and_kv
 from chatsvc.api.turn import UNKNOWN_SESSION, get_session
+from chatsvc.store import InvalidInputError
 from chatsvc.store.records import SessionRecord, SessionSummary
 
 # A listing page's body stays under this many bytes (unless one session's
@@ -72,7 +73,7 @@ class SessionController(Controller):
             session = await store.create_session(
                 tenant.id, data.system_prompt_id, text, token_ids, data.metadata
             )
-        except (ValueError, TypeError) as exc:
+        except InvalidInputError as exc:
             raise InvalidRequestError(str(exc)) from None
         return session_view(session)
 
@@ -97,7 +98,7 @@ class SessionController(Controller):
                 cursor=cursor,
                 max_bytes=LIST_PAGE_MAX_BYTES - _ENVELOPE_BYTES,
             )
-        except ValueError as exc:
+        except InvalidInputError as exc:
             raise InvalidRequestError(f"bad cursor: {exc}") from None
         return SessionList(
             sessions=[session_view(s) for s in sessions],
@@ -134,7 +135,7 @@ class SessionController(Controller):
 async def _system_prompt(services: ServicesDep, tenant: TenantDep, prompt_id: str):
     try:
         prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
-    except ValueError:
+    except InvalidInputError:
         prompt = None
     if prompt is None:
         raise NotFoundError("no such system prompt")

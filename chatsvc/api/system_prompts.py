@@ -23,7 +23,7 @@ from chatsvc.api.errors import (
 )
 from chatsvc.api.schemas import CreateSystemPrompt, SystemPromptList, SystemPromptView
 from chatsvc.service import Services
-from chatsvc.store.errors import LimitExceededError
+from chatsvc.store.errors import InvalidInputError, LimitExceededError
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
 
 UNKNOWN_PROMPT = "no such system prompt"
@@ -46,7 +46,7 @@ async def visible_prompt(
     """The tenant's own or a shared prompt by id; 404 for any other id, malformed ones too."""
     try:
         prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
-    except ValueError:
+    except InvalidInputError:
         prompt = None
     if prompt is None:
         raise NotFoundError(UNKNOWN_PROMPT)
@@ -110,7 +110,7 @@ class SystemPromptController(Controller):
             raise RateLimitError(
                 f"this tenant already has {limit} system prompts; delete some first"
             ) from None
-        except ValueError as exc:
+        except InvalidInputError as exc:
             raise InvalidRequestError(str(exc)) from None
         return prompt_view(prompt)
 

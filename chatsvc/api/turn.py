@@ -30,8 +30,9 @@ from chatsvc.api import generation as gen
 from chatsvc.api.errors import ConflictError, NotFoundError, ServiceUnavailableError
 from chatsvc.api.schemas import MessageView, PostMessage, Timings, TurnResult, Usage
 from chatsvc.logs import text_for_log
+from chatsvc.protocol import GenerationRequest, SamplingParams
 from chatsvc.service import Services
-from chatsvc.store import TurnLockLostError
+from chatsvc.store import InvalidInputError, TurnLockLostError
 from chatsvc.store.lock import RedisLock
 from chatsvc.store.records import MessageRecord, SessionRecord, TenantRecord
 from chatsvc.store.records import Usage as UsageRecord
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 class PreparedTurn:
     session: SessionRecord
     user: MessageRecord
-    request: object  # chatsvc.engine.GenerationRequest
+    request: GenerationRequest
     reused: bool
 
 
@@ -112,13 +113,18 @@ async def begin_turn(
 async def get_session(services: Services, tenant: TenantRecord, session_id: str):
     try:
         return await services.store.get_session(tenant.id, session_id)
-    except ValueError:  # a malformed id can name no session: same answer as an unknown one
+    except InvalidInputError:  # a malformed id can name no session: same answer as an unknown one
         return None
 
 
-async def _prepare(services, tenant, session_id, text, sampling, requested) -> PreparedTurn:
-    from chatsvc.engine import GenerationRequest
-
+async def _prepare(
+    services: Services,
+    tenant: TenantRecord,
+    session_id: str,
+    text: str,
+    sampling: SamplingParams,
+    requested: int | None,
+) -> PreparedTurn:
     store = services.store
     # Reloaded under the lock: the turn before this one may have finished since.
     session = await store.get_session(tenant.id, session_id)
@@ -160,14 +166,10 @@ async def run_turn(
     sample = gen.SampleResult()
     try:
         async for delta in gen.generate(services, turn.request):
-            sample.token_ids.extend(delta.token_ids)
-            sample.text += delta.text
+            sample.add(delta)
             if delta.text:
                 yield delta.text
-            if delta.finish_reason is not None:
-                sample.finish_reason = delta.finish_reason
-                sample.metrics = delta.metrics
-        if sample.finish_reason in (None, "abort") or sample.metrics is None:
+        if not sample.finished:
             services.metrics.observe_failure("session_turn", "aborted")
             raise ServiceUnavailableError("the generation was aborted; the turn was not stored")
         result = await _store_turn(services, tenant, turn, sample, hold.lock)
@@ -193,7 +195,13 @@ async def run_turn(
         await hold.release()
 
 
-async def _store_turn(services, tenant, turn: PreparedTurn, sample, lock: RedisLock) -> TurnResult:
+async def _store_turn(
+    services: Services,
+    tenant: TenantRecord,
+    turn: PreparedTurn,
+    sample: gen.SampleResult,
+    lock: RedisLock,
+) -> TurnResult:
     m = sample.metrics
     # Text and tokens stored must agree (a stop string cuts the text, not the tokens),
     # or the next turn's render no longer extends the stored tokens.

@@ -5,9 +5,8 @@ A forward pass allocates and frees many activation buffers of 100 KB-10 MB
 its mmap threshold (128 KB at start) with a fresh ``mmap`` and returns them with
 ``munmap``, so every such op also pays page faults on memory it just freed. With
 the threshold at 32 MB (glibc's documented maximum on 64-bit) they are reused
-from the heap: a step of 7 decodes and one 60-token turn took 67-70 instead of
-79 ms (2 threads, bf16). The trim threshold bounds how much freed heap stays
-mapped.
+from the heap, which shortens a step (measured in docs/engine.md, "malloc"). The
+trim threshold bounds how much freed heap stays mapped.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@
     generate(): submit ------ commands ---->  apply adds/aborts between steps
                  await queue <- call_soon_threadsafe -- step() deltas / errors
 
-Only the engine thread touches LLMEngine; callers hand it commands through a
-locked list. The engine thread also builds the engine (loads and prepacks the
-model): with GNU OpenMP, every thread that runs a parallel region keeps its own
-team of workers, and once the process holds more OpenMP threads than cores the
-workers stop spinning between ops and sleep, which made each step ~1.7x slower
-on 2 cores. So torch's parallel work stays on this one thread.
+Only the engine thread touches LLMEngine; callers hand it commands (typed
+messages, ``chatsvc.engine.commands``) through a locked list. The engine thread
+also builds the engine (loads and prepacks the model): with GNU OpenMP, every
+thread that runs a parallel region keeps its own team of workers, and once the
+process holds more OpenMP threads than cores the workers stop spinning between
+ops and sleep, which slows every step (docs/engine.md). So torch's parallel work
+stays on this one thread.
 
 torch releases the GIL in its kernels, so the loop stays responsive while a
 step runs. Leaving ``generate`` early (break, aclose, cancellation) queues an
@@ -33,23 +34,41 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
+from cache import Namespace
+from chatsvc.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    CallBetweenSteps,
+    Command,
+    apply_command,
+    error_is_callers,
+)
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine, StepOutput
-from chatsvc.engine.errors import EngineStoppedError, RequestValidationError
 from chatsvc.engine.loader import LoadedModel
-from chatsvc.engine.request import GenerationDelta, GenerationRequest
+from chatsvc.engine.sampling_defaults import SamplingDefaults
+from chatsvc.protocol import (
+    ChatTemplate,
+    EngineInfo,
+    EngineStoppedError,
+    GenerationDelta,
+    GenerationRequest,
+    RequestValidationError,
+)
+from kernels import native
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """Streaming engine for the service (contract: docs/contracts.md)."""
+    """Streaming engine for the service: implements ``chatsvc.protocol.EngineClient``."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self._loaded = loaded
         self.engine: LLMEngine | None = None
-        self._commands: list[tuple[str, object]] = []
+        self._info: EngineInfo | None = None
+        self._commands: list[Command] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,7 +141,7 @@ class AsyncEngine:
         return self._engine.tokenizer
 
     @property
-    def chat_format(self):
+    def chat_format(self) -> ChatTemplate:
         return self._engine.chat_format
 
     @property
@@ -138,13 +157,15 @@ class AsyncEngine:
         return self._engine.loaded.config.vocab_size
 
     @property
-    def block_size(self) -> int:
-        return self._engine.config.block_size
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self._engine.sampling_defaults
 
     @property
-    def sampling_defaults(self):
-        """``chatsvc.engine.sampling_defaults.SamplingDefaults`` of the served model."""
-        return self._engine.sampling_defaults
+    def info(self) -> EngineInfo:
+        """What the started engine serves (model, dtype, kernels, KV pool)."""
+        if self._info is None:
+            raise EngineStoppedError("the engine is not started")
+        return self._info
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Stream the deltas of ``request``; raises its error.
@@ -166,7 +187,7 @@ class AsyncEngine:
         finished = False
         try:
             # The engine thread validates and admits it; a refusal comes back as an error.
-            await self._call("add", request)
+            await self._call(AddRequest(request, Future()))
             remaining = request.sampling.n
             while remaining:
                 item = await queue.get()
@@ -179,12 +200,12 @@ class AsyncEngine:
         finally:
             self._queues.pop(request.request_id, None)
             if not finished:
-                self._submit("abort", request.request_id, None)
+                self._submit(AbortRequest(request.request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id: its blocks are freed before the next step, and its
         stream ends with an ``abort`` delta per unfinished sample."""
-        await self._call("abort", request_id)
+        await self._call(AbortRequest(request_id, Future()))
 
     def cache_stats(self) -> dict:
         """Cache counters and tier usage (a consistent snapshot between steps)."""
@@ -195,8 +216,8 @@ class AsyncEngine:
         self._between_steps(lambda e: e.check_integrity())
 
     async def forget_session(
-        self, session: str, token_ids: list[int], namespace, keep_tokens: int = 0
-    ) -> dict:
+        self, session: str, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
+    ) -> dict[str, int]:
         """Delete a session's KV from every tier, disk files included (see LLMEngine).
 
         Its running requests end with an abort delta. Returns the blocks removed
@@ -210,7 +231,7 @@ class AsyncEngine:
             self._deliver(outputs)
             return counts, done
 
-        counts, done = await self._call("call", forget)
+        counts, done = await self._call(CallBetweenSteps(forget, Future()))
         if done is not None:
             await asyncio.wrap_future(done)
         return counts
@@ -226,22 +247,22 @@ class AsyncEngine:
     def _between_steps(self, fn):
         if self._thread is None:
             return fn(self._engine)
-        future: Future = Future()
-        self._submit("call", fn, future)
-        return future.result()
+        command = CallBetweenSteps(fn, Future())
+        self._submit(command)
+        return command.done.result()
 
-    async def _call(self, kind: str, payload: object):
-        future: Future = Future()
-        self._submit(kind, payload, future)
-        return await asyncio.wrap_future(future)
+    async def _call(self, command: Command):
+        self._submit(command)
+        return await asyncio.wrap_future(command.done)
 
-    def _submit(self, kind: str, payload: object, future: Future | None = None) -> None:
-        """Queue a command for the engine thread; once it has ended, fail ``future`` now."""
+    def _submit(self, command: Command) -> None:
+        """Queue a command for the engine thread; once it has ended, fail its Future now."""
         with self._lock:
             if not self._closed:
-                self._commands.append((kind, (payload, future)))
+                self._commands.append(command)
                 self._wake.set()
                 return
+        future = command.done
         if future is not None and future.set_running_or_notify_cancel():
             future.set_exception(self._stopped_error())
 
@@ -256,6 +277,7 @@ class AsyncEngine:
             return  # start() was cancelled before the thread ran
         try:
             self.engine = LLMEngine(self.config, self._loaded)
+            self._info = _describe(self.engine)
         except BaseException as error:  # noqa: BLE001 - raised in start()
             self._close()
             ready.set_exception(error)
@@ -307,46 +329,36 @@ class AsyncEngine:
         with self._lock:
             self._closed = True
             commands, self._commands = self._commands, []
-        for _, (_, future) in commands:
+        for command in commands:
+            future = command.done
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(self._stopped_error())
 
     def _apply_commands(self, engine: LLMEngine) -> None:
         with self._lock:
             commands, self._commands = self._commands, []
-        for kind, (payload, future) in commands:
+        for command in commands:
+            future = command.done
             # A caller cancelled while its command waited: wrap_future cancelled the
             # Future too, and completing it now would raise in this thread. A skipped
-            # "add" is harmless: the caller's finally already queued its abort.
+            # add is harmless: the caller's finally already queued its abort.
             if future is not None and not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = self._apply(engine, kind, payload)
+                result, outputs = apply_command(engine, command)
             except Exception as error:
-                # Expected refusals (a bad request) and the caller's own function's
-                # errors go back to the caller; anything else leaves the engine's
-                # state in doubt, so the thread dies with it.
-                if isinstance(error, RequestValidationError) or kind == "call":
+                if error_is_callers(command, error):
                     if future is not None:
                         future.set_exception(error)
                     continue
                 if future is not None:
                     future.set_exception(_died(error))
                 raise
-            if kind == "abort":
-                # Its final "abort" deltas end a stream still waiting in generate();
-                # when the stream itself left, its queue is gone and they are dropped.
-                self._deliver(result)
+            # An abort's final deltas end a stream still waiting in generate(); when
+            # the stream itself left, its queue is gone and they are dropped.
+            self._deliver(outputs)
             if future is not None:
-                future.set_result(result if kind == "call" else None)
-
-    @staticmethod
-    def _apply(engine: LLMEngine, kind: str, payload):
-        if kind == "add":
-            return engine.add_request(payload)
-        if kind == "abort":
-            return engine.abort_request(payload)
-        return payload(engine)
+                future.set_result(result)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         # One wake-up of the event loop per step, not one per stream: each wake-up is a
@@ -360,6 +372,21 @@ class AsyncEngine:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out.error if out.error is not None else out.delta)
+
+
+def _describe(engine: LLMEngine) -> EngineInfo:
+    backend = engine.kernel_backend
+    return EngineInfo(
+        model_name=engine.model_name,
+        dtype=str(engine.model.dtype).removeprefix("torch."),
+        device=str(engine.model.device),
+        kernel_backend=backend,
+        kernel_library_sha256=native.library_sha256() if backend == "native" else None,
+        num_gpu_blocks=engine.num_gpu_blocks,
+        num_host_blocks=engine.num_host_blocks,
+        block_size=engine.config.block_size,
+        max_context_len=engine.max_context_len,
+    )
 
 
 def _died(error: BaseException) -> EngineStoppedError:

@@ -9,7 +9,8 @@ reasoning blocks of earlier turns) get a full re-render instead: correctness fir
 
 Message content is always tokenized as text: only the control tokens the template
 itself writes become control token ids (see ``control_tokens``), so no message can
-open a turn of another role.
+open a turn of another role. A conversation refused for what it holds raises
+``RequestValidationError`` (a ValueError): the caller's fault, safe to tell it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 from chatsvc.engine.control_tokens import ControlTokens, Rendering
 from chatsvc.engine.detokenizer import CONTEXT_TOKENS
+from chatsvc.protocol import RequestValidationError
+from chatsvc.token_ids import first_bad_token_id
 
 # End-of-turn markers of common chat templates; those present in a tokenizer's vocabulary
 # and used by its template stop generation besides eos.
@@ -182,7 +185,7 @@ class ChatFormat:
         # A template that inspects or slices content could render the masked messages
         # differently; then the text would not be the template's own rendering.
         if text != self._apply_template(messages, add_generation_prompt):
-            raise ValueError(
+            raise RequestValidationError(
                 "a message spells a control token of this model's chat template in a way "
                 "the template cannot render as plain text"
             )
@@ -232,18 +235,22 @@ def _is_prefix_of(decoded: str, target: str, context_len: int) -> bool:
 
 def _validate(messages: Sequence[Mapping[str, str]]) -> None:
     if isinstance(messages, (str, bytes)) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} mappings")
+        raise RequestValidationError(
+            "messages must be a non-empty list of {'role', 'content'} mappings"
+        )
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"message {i} is not a mapping: {message!r}")
+            raise RequestValidationError(f"message {i} is not a mapping: {message!r}")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"message {i} needs a non-empty string 'role'")
+            raise RequestValidationError(f"message {i} needs a non-empty string 'role'")
         if not isinstance(content, str):
-            raise ValueError(f"message {i} needs a string 'content'")
+            raise RequestValidationError(f"message {i} needs a string 'content'")
 
 
 def _validate_ids(token_ids: Sequence[int], vocab_size: int) -> None:
-    for tid in token_ids:
-        if not isinstance(tid, int) or not 0 <= tid < vocab_size:
-            raise ValueError(f"token id {tid!r} is outside the vocabulary (size {vocab_size})")
+    bad = first_bad_token_id(token_ids, vocab_size)
+    if bad is not None:
+        raise RequestValidationError(
+            f"token id {bad.value!r} is outside the vocabulary (size {vocab_size})"
+        )

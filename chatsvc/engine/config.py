@@ -1,4 +1,9 @@
-"""Engine configuration: one frozen dataclass, validated, readable from CHATSVC_* variables."""
+"""Engine configuration: one frozen dataclass, validated, readable from CHATSVC_* variables.
+
+``EngineConfig`` is what an operator sets (flat, one variable per field); the
+parts of the engine take their own views of it, built here and nowhere else:
+``EngineConfig.scheduler`` is the scheduler's ``SchedulerConfig``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,29 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits and the starvation bound of the waiting queue."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_wait_steps: int = 64  # a sequence waiting longer than this goes first
+    max_wait_s: float = 10.0  # ... or longer than this
+    max_defer_steps: int = 4  # steps a request may wait for another's prefill of its prefix
+
+    def validate(self) -> SchedulerConfig:
+        """Raise ValueError on the first bad value; returns self."""
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_wait_steps < 1 or self.max_wait_s <= 0:
+            raise ValueError("max_wait_steps and max_wait_s must be positive")
+        if self.max_defer_steps < 0:
+            raise ValueError("max_defer_steps must be >= 0")
+        return self
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What to serve and how much memory and batch room to give it.
 
@@ -18,7 +46,9 @@ class EngineConfig:
     bytes of one block (all layers, K and V). ``num_host_blocks`` sizes the host
     tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
-    checker after every mutation (slow; for tests).
+    checker after every mutation (slow; for tests). ``data_dir``: where the converted default
+    model and the compiled kernels are cached (the service's data directory; None:
+    ``~/.cache/chatsvc``). The batch fields are the scheduler's (``scheduler``).
 
     Disk tier (``chatsvc.engine.kv_disk``): block files under ``kv_disk_dir`` (None: no
     disk tier; the service sets ``$CHATSVC_DATA_DIR/kv``), at most ``kv_disk_bytes``
@@ -37,11 +67,12 @@ class EngineConfig:
     # on CPU none, since "host" would be the same RAM: raise kv_cache_bytes instead.
     num_host_blocks: int | None = None
     enable_prefix_cache: bool = True
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_model_len: int | None = None
-    max_wait_steps: int = 64
-    max_defer_steps: int = 4  # 0: never wait for another request's prefill of a prefix
+    max_wait_steps: int = SchedulerConfig.max_wait_steps
+    # 0: never wait for another request's prefill of a prefix
+    max_defer_steps: int = SchedulerConfig.max_defer_steps
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
     num_threads: int | None = None  # torch intra-op threads; None: one per CPU core
@@ -51,6 +82,17 @@ class EngineConfig:
     kv_disk_fsync: bool = False  # fsync each block file (a checksum catches torn ones anyway)
     kv_disk_queue_blocks: int = 64  # block writes in flight; more are dropped, never waited for
     kv_disk_retry_s: int = 10  # writes pause this long after a write error
+    data_dir: str | None = None
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        """The scheduler's limits, out of this config's batch fields."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_wait_steps=self.max_wait_steps,
+            max_defer_steps=self.max_defer_steps,
+        )
 
     def validate(self) -> EngineConfig:
         """Raise ValueError on the first bad value; returns self."""
@@ -64,16 +106,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.scheduler.validate()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_wait_steps < 1:
-            raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.max_defer_steps < 0:
-            raise ValueError(f"max_defer_steps must be >= 0, got {self.max_defer_steps}")
         if self.kv_disk_bytes is not None and self.kv_disk_bytes < 0:
             raise ValueError(f"kv_disk_bytes must be >= 0 (0 = off), got {self.kv_disk_bytes}")
         if self.kv_disk_write not in ("through", "back"):

@@ -23,6 +23,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from chatsvc.protocol import RequestValidationError
+
 # Unicode's supplementary private-use plane: characters no tokenizer gives meaning to.
 _PRIVATE_FIRST, _PRIVATE_LAST = 0xF0000, 0xFFFFD
 _PRIVATE_RE = re.compile("[\U000f0000-\U000ffffd]")
@@ -107,7 +109,7 @@ class ControlTokens:
         ids = self._plain.encode(text, add_special_tokens=False).ids
         if not self.id_set.isdisjoint(ids):
             # Only a vocabulary whose ordinary merges spell a special token does this.
-            raise ValueError("this tokenizer turns plain text into a control token")
+            raise RequestValidationError("this tokenizer turns plain text into a control token")
         return ids
 
     def encode_pieces(self, pieces: Iterable[str | int]) -> list[int]:

@@ -55,9 +55,11 @@ from chatsvc.engine.request import (
 from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
 from chatsvc.engine.sampling_defaults import read_sampling_defaults
-from chatsvc.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from chatsvc.engine.scheduler import ScheduledSequence, Scheduler
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
+from chatsvc.paths import kernels_dir
+from kernels import native
 from kernels.backend import resolve_backend
 
 log = logging.getLogger(__name__)
@@ -91,14 +93,20 @@ class LLMEngine:
         self.config = config.validate()
         set_torch_threads(config.num_threads)
         keep_freed_memory()
+        native.set_build_dir(kernels_dir(config.data_dir))
         if loaded is None:
             loaded = load_model(
-                config.model, config.dtype, config.device, config.max_model_len, config.seed
+                config.model,
+                config.dtype,
+                config.device,
+                config.max_model_len,
+                config.seed,
+                data_dir=config.data_dir,
             )
         self.loaded = loaded
         self.model = loaded.model
-        # Chosen now, so a CPU engine builds its native kernels (a second or two, on the
-        # first start of a machine) before it reports ready, not in the first request.
+        # Chosen now, so a CPU engine builds its native kernels (on the first start of a
+        # machine) before it reports ready, not in the first request.
         self.kernel_backend = resolve_backend(None, self.model.device)
         self.tokenizer = loaded.tokenizer
         # Stop ids listed only in generation_config.json (Llama 3's <|eot_id|>) must end a
@@ -117,16 +125,7 @@ class LLMEngine:
             enable_prefix_cache=config.enable_prefix_cache,
             debug_checks=config.debug_checks,
         )
-        self.scheduler = Scheduler(
-            self.cache,
-            config.block_size,
-            SchedulerConfig(
-                config.max_num_batched_tokens,
-                config.max_num_seqs,
-                config.max_wait_steps,
-                max_defer_steps=config.max_defer_steps,
-            ),
-        )
+        self.scheduler = Scheduler(self.cache, config.block_size, config.scheduler)
         self.runner = ModelRunner(
             self.model, config.block_size, self.num_gpu_blocks, self.num_host_blocks
         )

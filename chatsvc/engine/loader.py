@@ -26,6 +26,7 @@ from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import build_weights, open_safetensors
 from chatsvc.engine.weights_gguf import DEFAULT_MODEL_NAME, ensure_default_model
 from chatsvc.engine.weights_random import named_config, random_weights
+from chatsvc.paths import models_dir
 
 DEFAULT_SPEC = "smollm2"
 RANDOM_PREFIX = "random:"
@@ -75,6 +76,7 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
     prepack_weights: bool | str | None = None,
+    data_dir: str | Path | None = None,
 ) -> LoadedModel:
     """Load a model by spec (see the module docstring).
 
@@ -83,11 +85,17 @@ def load_model(
     seed: random weights only.
     prepack_weights: matrices in a layout for the CPU's matrix code (None = wherever
     available; "tiles" or "onednn" picks one); see ``LlamaModel``.
+    data_dir: the data directory whose ``models/`` holds the converted default model
+    (None: ``~/.cache/chatsvc``).
     """
     resolved = resolve_dtype(dtype, device)
     if spec == DEFAULT_SPEC:
         loaded = load_local(
-            ensure_default_model(), resolved, device, max_positions, prepack_weights
+            ensure_default_model(models_dir(data_dir)),
+            resolved,
+            device,
+            max_positions,
+            prepack_weights,
         )
         return LoadedModel(
             loaded.config, loaded.model, loaded.tokenizer, DEFAULT_MODEL_NAME, loaded.path
@@ -97,7 +105,7 @@ def load_model(
         config = named_config(shape)
         weights = random_weights(config, resolved, device, seed=seed)
         model = LlamaModel(config, weights, max_positions, prepack_weights=prepack_weights)
-        tokenizer = load_tokenizer(ensure_default_model())
+        tokenizer = load_tokenizer(ensure_default_model(models_dir(data_dir)))
         return LoadedModel(config, model, tokenizer, spec, None)
     path = Path(spec).expanduser()
     if not path.is_dir():

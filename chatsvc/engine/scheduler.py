@@ -48,13 +48,13 @@ re-admitted once the others finished or were preempted.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from cache import CachePlan, KVCacheManager
 from cache.errors import OutOfBlocksError
+from chatsvc.engine.config import SchedulerConfig
 from chatsvc.engine.errors import RequestTooLargeError
 from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.prompt_logprobs import wants_prompt_logits
@@ -63,28 +63,6 @@ from chatsvc.engine.sequence import Sequence, SequenceStatus
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
 # work when the queue is long; the rest keep FIFO order behind them.
 MAX_RANKED_CANDIDATES = 64
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Batch limits and the starvation bound of the waiting queue."""
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_wait_steps: int = 64  # a sequence waiting longer than this goes first
-    max_wait_s: float = 10.0  # ... or longer than this
-    max_defer_steps: int = 4  # steps a request may wait for another's prefill of its prefix
-
-    def validate(self) -> SchedulerConfig:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_wait_steps < 1 or self.max_wait_s <= 0:
-            raise ValueError("max_wait_steps and max_wait_s must be positive")
-        if self.max_defer_steps < 0:
-            raise ValueError("max_defer_steps must be >= 0")
-        return self
 
 
 @dataclass
@@ -134,10 +112,6 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_deferrals = 0
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING)."""
@@ -335,6 +309,3 @@ class Scheduler:
         # sorted() is stable: equal prefixes keep arrival order.
         ranked = sorted(measured, key=cached_tokens, reverse=True) + rest[len(measured) :]
         return urgent, ranked
-
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)

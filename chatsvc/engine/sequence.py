@@ -62,7 +62,6 @@ class Sequence:
     num_preemptions: int = 0
     num_deferred_steps: int = 0  # steps admission skipped it to wait for a pending prefix
     was_admitted: bool = False
-    num_emitted_tokens: int = 0  # output tokens already handed to the caller
     # num_cached_tokens by the tier the blocks came from ("device", "host", "disk").
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     cache_owner: bytes = b""  # the session's digest, stamped on the blocks it computes

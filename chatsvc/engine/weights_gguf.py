@@ -2,8 +2,8 @@
 de-quantized once into a cached safetensors directory.
 
 transformers reads the GGUF (tokenizer, chat template, config, Q4_1 weights) and
-de-quantizes it (~15 s on 2 cores); we save a plain bf16 Hugging Face directory so
-later starts read safetensors in seconds. Nothing is ever downloaded.
+de-quantizes it, which is slow; we save a plain bf16 Hugging Face directory once so
+later starts only read safetensors. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -52,19 +52,21 @@ def is_converted(directory: Path, gguf: Path) -> bool:
     return recorded == _source_record(gguf)
 
 
-def default_model_dir() -> Path:
-    """Where the converted default model lives (it may not exist yet)."""
-    return models_dir() / DEFAULT_MODEL_NAME
+def default_model_dir(models: Path | None = None) -> Path:
+    """Where the converted default model lives under ``models`` (default: the default data
+    directory's ``models/``); it may not exist yet."""
+    return (models if models is not None else models_dir()) / DEFAULT_MODEL_NAME
 
 
-def ensure_default_model() -> Path:
-    """The converted default model's directory, converting the GGUF first if needed.
+def ensure_default_model(models: Path | None = None) -> Path:
+    """The converted default model's directory under ``models`` (see ``default_model_dir``),
+    converting the GGUF first if needed.
 
     Safe under concurrency: each converter writes a private temp directory and renames
     it into place; a reader never sees a half-written directory.
     """
     gguf = default_gguf_path()
-    target = default_model_dir()
+    target = default_model_dir(models)
     if is_converted(target, gguf):
         return target
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -4,6 +4,7 @@ See docs/store.md for the key layout, the guarantees and the trade-offs.
 """
 
 from chatsvc.store.errors import (
+    InvalidInputError,
     NotFoundError,
     SchemaVersionError,
     SessionBusyError,
@@ -14,6 +15,7 @@ from chatsvc.store.errors import (
 from chatsvc.store.store import Store, hash_api_key
 
 __all__ = [
+    "InvalidInputError",
     "NotFoundError",
     "SchemaVersionError",
     "SessionBusyError",

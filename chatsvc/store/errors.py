@@ -10,6 +10,19 @@ class StoreError(Exception):
     """Base class of every error the store raises on purpose."""
 
 
+class InvalidInputError(StoreError, ValueError):
+    """An argument is malformed: an id, a name, a cursor, metadata, a record to keep.
+
+    Raised before anything is read or written; the message names the field and is
+    safe to show to the client. Any other ValueError out of the store (a record in
+    Redis that does not decode, say) is a failure of ours, not bad input.
+    """
+
+
+class InvalidInputTypeError(InvalidInputError, TypeError):
+    """An argument has the wrong type."""
+
+
 class StoreUnavailableError(StoreError):
     """Redis could not be reached or did not answer within the socket timeout."""
 

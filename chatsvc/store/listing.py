@@ -19,6 +19,7 @@ from typing import NamedTuple
 import msgspec
 import redis.asyncio as aredis
 
+from chatsvc.store.errors import InvalidInputError
 from chatsvc.store.keys import check_id
 from chatsvc.store.records import SessionSummary
 
@@ -34,9 +35,9 @@ def encode_cursor(score: float, session_id: str) -> str:
 
 
 def decode_cursor(cursor: str) -> tuple[float, str]:
-    """The (score, session_id) a cursor names; ``ValueError`` if malformed."""
+    """The (score, session_id) a cursor names; ``InvalidInputError`` if malformed."""
     if not isinstance(cursor, str):
-        raise ValueError(f"malformed cursor: {cursor!r}")
+        raise InvalidInputError(f"malformed cursor: {cursor!r}")
     score_text, sep, session_id = cursor.rpartition(":")
     try:
         score = float(score_text)
@@ -44,7 +45,7 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
     except ValueError:
         score = math.nan
     if not sep or math.isnan(score) or math.isinf(score):
-        raise ValueError(f"malformed cursor: {cursor!r}")
+        raise InvalidInputError(f"malformed cursor: {cursor!r}")
     return score, session_id
 
 

@@ -18,7 +18,13 @@ import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
 from chatsvc.store.connection import is_transport_error
-from chatsvc.store.errors import LimitExceededError, StoreError, StoreUnavailableError
+from chatsvc.store.errors import (
+    InvalidInputError,
+    InvalidInputTypeError,
+    LimitExceededError,
+    StoreError,
+    StoreUnavailableError,
+)
 from chatsvc.store.keys import check_id
 from chatsvc.store.records import SystemPromptRecord, decode, encode, now
 from chatsvc.store.sessions import MAX_WATCH_RETRIES, SessionStore
@@ -45,9 +51,11 @@ class PromptStore(SessionStore):
         for an unknown tenant.
         """
         if not isinstance(shared, bool):
-            raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
+            raise InvalidInputTypeError(f"shared must be a bool, got {type(shared).__name__}")
         if shared:
-            raise ValueError("a tenant's system prompt cannot be shared; the operator publishes")
+            raise InvalidInputError(
+                "a tenant's system prompt cannot be shared; the operator publishes"
+            )
         check_id("tenant", tenant_id)
         prompt = _new_prompt(tenant_id, name, text, token_ids)
         with self._unavailable():

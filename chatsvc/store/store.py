@@ -20,8 +20,8 @@ from chatsvc.store.errors import NotFoundError, SessionBusyError
 from chatsvc.store.keys import Keys
 from chatsvc.store.lock import RedisLock, keep_held
 from chatsvc.store.prompts import PromptStore
+from chatsvc.store.schema import apply_pending
 from chatsvc.store.tenants import TenantStore
-from migrations.runner import apply_pending
 
 
 def hash_api_key(api_key: str) -> str:

@@ -12,7 +12,6 @@ import secrets
 
 from chatsvc.store import validate as v
 from chatsvc.store.errors import StoreError
-from chatsvc.store.keys import check_id
 from chatsvc.store.records import TenantRecord, encode, now
 from chatsvc.store.sessions import SessionStore
 
@@ -36,7 +35,7 @@ class TenantStore(SessionStore):
         """The tenant called ``name``, created (with a fresh id and salt) if there is none.
 
         Idempotent and safe to race: every caller gets the same tenant, and only
-        one record is ever written for a name. Raises ``ValueError`` for a blank
+        one record is ever written for a name. Raises ``InvalidInputError`` for a blank
         or overlong name.
         """
         v.check_name("name", name)
@@ -64,9 +63,3 @@ class TenantStore(SessionStore):
         with self._unavailable():
             tenant_id = await self.redis.hget(self.keys.tenant_names(), name)
             return None if tenant_id is None else await self._tenant(tenant_id.decode())
-
-    async def get_tenant(self, tenant_id: str) -> TenantRecord | None:
-        """The tenant with this id, or None."""
-        check_id("tenant", tenant_id)
-        with self._unavailable():
-            return await self._tenant(tenant_id)

@@ -8,34 +8,21 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import redis
 
+from bench.live_server import ThreadServer
 from chatsvc.config import Limits, Settings
-from tests import http_helpers
-from tests.api.live_server import ThreadServer
+from tests import http_helpers, live_service
 from tests.http_helpers import keyspace, new_session, say, unique  # noqa: F401 - re-exported
+from tests.live_service import BLOCK_SIZE, MAX_MODEL_LEN, tenant_client  # noqa: F401 - re-exported
 from tests.redis_server import unique_prefix
 
 ACME_KEY = "acme-secret-key-0001"
 GLOBEX_KEY = "globex-secret-key-0002"
 ADMIN_KEY = "admin-secret-key-0003"
-BLOCK_SIZE = 16
-# Small enough that a test can overflow it with a message under the char limit.
-MAX_MODEL_LEN = 1024
 
 
 def engine_config():
-    from chatsvc.engine import EngineConfig
-
-    return EngineConfig(
-        model="smollm2",
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks=512,
-        num_host_blocks=64,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=256,
-        max_num_seqs=16,
-    )
+    return live_service.engine_config(num_gpu_blocks=512, num_host_blocks=64)
 
 
 TEST_LIMITS = Limits(
@@ -68,25 +55,6 @@ def client(api, key: str | None) -> httpx.Client:
     return http_helpers.client(api.url, key, timeout_s=300)
 
 
-@pytest.fixture
-def acme(api):
-    with client(api, ACME_KEY) as http:
-        yield http
-
-
-@pytest.fixture
-def globex(api):
-    with client(api, GLOBEX_KEY) as http:
-        yield http
-
-
-@pytest.fixture
-def admin(api):
-    with client(api, ADMIN_KEY) as http:
-        yield http
-
-
-@pytest.fixture
-def raw_redis(redis_server):
-    with redis.Redis.from_url(redis_server.url) as r:
-        yield r
+acme = tenant_client("api", ACME_KEY, timeout_s=300)
+globex = tenant_client("api", GLOBEX_KEY, timeout_s=300)
+admin = tenant_client("api", ADMIN_KEY, timeout_s=300)

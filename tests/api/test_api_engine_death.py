@@ -12,13 +12,13 @@ import time
 
 import pytest
 
+from bench.live_server import ProcessServer, ThreadServer
 from chatsvc.__main__ import EXIT_ENGINE_DIED
 from chatsvc.chat_client import iter_sse
 from chatsvc.config import Settings
 from tests import http_helpers
 from tests.api.conftest import ACME_KEY, ADMIN_KEY, TEST_LIMITS, engine_config
 from tests.api.engine_death_server import KILL_STOP
-from tests.api.live_server import ProcessServer, ThreadServer
 from tests.http_helpers import new_session, unique
 from tests.redis_server import unique_prefix
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench.live_server import ThreadServer
 from chatsvc.api.generation import ENGINE_FAILED
 from chatsvc.chat_client import iter_sse
 from chatsvc.config import Settings
@@ -30,7 +31,6 @@ from tests.api.conftest import (
     new_session,
     unique,
 )
-from tests.api.live_server import ThreadServer
 from tests.redis_server import unique_prefix
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from bench.live_server import ThreadServer
 from chatsvc.config import Settings
 from tests import http_helpers
 from tests.api.conftest import TEST_LIMITS, engine_config, new_session, say, unique
-from tests.api.live_server import ThreadServer
 from tests.redis_server import unique_prefix
 
 K1 = "acme-first-key-000000000001"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 
+from bench.live_server import ThreadServer
 from chatsvc.api.app import create_app
 from chatsvc.config import Settings
 from tests.api.conftest import engine_config
-from tests.api.live_server import ThreadServer
 
 # A cold first turn on a busy machine takes longer than httpx's default 5 s.
 TIMEOUT_S = 300

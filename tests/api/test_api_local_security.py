@@ -19,11 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
+from bench.live_server import ThreadServer
 from chatsvc.config import Limits, Settings
 from tests.api.conftest import engine_config
-from tests.api.live_server import ThreadServer
 from tests.http_helpers import keyspace
 from tests.redis_server import unique_prefix
 
@@ -60,12 +59,6 @@ def local(redis_server, tmp_path_factory):
 @pytest.fixture
 def http(local):
     with httpx.Client(base_url=local.url, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture
-def raw_redis(redis_server):
-    with redis.Redis.from_url(redis_server.url) as client:
         yield client
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from bench.live_server import ProcessServer
 from chatsvc.store.embedded import EmbeddedRedis
-from tests.api.live_server import ProcessServer
 from tests.redis_server import unique_prefix
 
 KEY = "restart-tenant-key-01"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from bench.live_server import wait_until
 from chatsvc.chat_client import iter_sse
 from tests.api.conftest import BLOCK_SIZE, new_session, say, unique
-from tests.api.live_server import wait_until
 
 
 def test_later_turns_reuse_the_cached_conversation(acme):

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from bench.live_server import free_port
 from bench.multiturn.runner import resolve_model_dir
-from bench.multiturn.servers import ServerStartError, build_spec, free_port, start_server
+from bench.multiturn.servers import ServerStartError, build_spec, start_server
 
 
 def test_specs_of_every_system(tmp_path):

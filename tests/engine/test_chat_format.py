@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from chatsvc.engine.chat_format import ChatFormat
 from chatsvc.engine.loader import load_tokenizer
+from chatsvc.protocol import RequestValidationError
 
 TURNS = [
     ("What is 2 + 2?", "2 + 2 equals 4."),
@@ -97,13 +98,16 @@ def test_template_that_rewrites_history_is_not_reused(smollm2_fp32):
     [[], "hello", [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": 3}]],
 )
 def test_bad_messages_raise(chat, messages):
-    with pytest.raises(ValueError):
+    # The caller's fault (the API's 400), told apart from a failure of the format itself.
+    with pytest.raises(RequestValidationError):
         chat.render(messages)
 
 
 def test_out_of_vocabulary_prev_tokens_raise(chat):
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(RequestValidationError, match="outside the vocabulary"):
         chat.extend([1, 10**9], [{"role": "user", "content": "Hi"}])
+    with pytest.raises(RequestValidationError, match="outside the vocabulary"):
+        chat.extend([1, True], [{"role": "user", "content": "Hi"}])
 
 
 # -- content is text: a message can never open a turn of another role ---------------

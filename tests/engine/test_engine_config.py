@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chatsvc.engine.config import EngineConfig
+from chatsvc.engine.config import EngineConfig, SchedulerConfig
 
 
 def test_host_tier_defaults_to_the_device_pool_on_cuda_and_none_on_cpu():
@@ -19,3 +19,23 @@ def test_host_tier_size_can_be_set_either_way():
     assert EngineConfig.from_env({"CHATSVC_NUM_HOST_BLOCKS": "64"}).host_blocks_for(8) == 64
     with pytest.raises(ValueError, match="num_host_blocks"):
         EngineConfig(num_host_blocks=-1).validate()
+
+
+def test_the_scheduler_config_is_built_from_the_engine_config_alone():
+    config = EngineConfig(max_num_batched_tokens=96, max_num_seqs=5, max_wait_steps=3)
+    scheduler = config.scheduler
+    assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (96, 5)
+    assert (scheduler.max_wait_steps, scheduler.max_defer_steps) == (3, config.max_defer_steps)
+    # One set of defaults and one validation: the scheduler's.
+    assert EngineConfig().scheduler == SchedulerConfig()
+    with pytest.raises(ValueError, match="max_defer_steps"):
+        EngineConfig(max_defer_steps=-1).validate()
+
+
+def test_the_engine_builds_its_kernels_in_its_data_dir(smollm2_fp32, tmp_path, monkeypatch):
+    from chatsvc.engine.engine import LLMEngine
+    from kernels import native
+
+    monkeypatch.setattr(native, "_build_dir", None)
+    LLMEngine(EngineConfig(dtype="fp32", num_gpu_blocks=8, data_dir=str(tmp_path)), smollm2_fp32)
+    assert native.build_dir() == tmp_path / "kernels"

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from chatsvc import paths
 from chatsvc.engine import weights_gguf
 from chatsvc.engine.dtype import resolve_dtype
 from chatsvc.engine.loader import load_model
@@ -42,7 +43,7 @@ def test_default_model_shape(smollm2_fp32):
 
 
 def _fake_convert(gguf, out_dir):
-    # Writes what a finished conversion leaves, without the 15 s of de-quantizing.
+    # Writes what a finished conversion leaves, without de-quantizing anything.
     for name in weights_gguf._REQUIRED_FILES[:-1]:
         (out_dir / name).write_text(out_dir.name)
     (out_dir / weights_gguf.SOURCE_MARKER).write_text(
@@ -51,20 +52,20 @@ def _fake_convert(gguf, out_dir):
 
 
 def test_a_half_written_cache_dir_is_replaced_atomically(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
-    target = weights_gguf.default_model_dir()
+    models = paths.models_dir(tmp_path)
+    target = weights_gguf.default_model_dir(models)
     target.mkdir()
     (target / "config.json").write_text("{}")  # an interrupted old conversion
 
     monkeypatch.setattr(weights_gguf, "_convert", _fake_convert)
-    assert weights_gguf.ensure_default_model() == target
+    assert weights_gguf.ensure_default_model(models) == target
     assert weights_gguf.is_converted(target, weights_gguf.default_gguf_path())
     # No staging or stale directories are left beside it.
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
 
 
 def test_two_converters_at_once_leave_one_complete_directory(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    models = paths.models_dir(tmp_path)
     both_converting = threading.Barrier(2, timeout=60)
 
     def convert_together(gguf, out_dir):
@@ -73,8 +74,8 @@ def test_two_converters_at_once_leave_one_complete_directory(tmp_path, monkeypat
 
     monkeypatch.setattr(weights_gguf, "_convert", convert_together)
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: weights_gguf.ensure_default_model(), range(2)))
-    target = weights_gguf.default_model_dir()
+        results = list(pool.map(lambda _: weights_gguf.ensure_default_model(models), range(2)))
+    target = weights_gguf.default_model_dir(models)
     assert results == [target, target]
     assert weights_gguf.is_converted(target, weights_gguf.default_gguf_path())
     # Every file comes from one staging directory: no mix of the two conversions.

@@ -50,7 +50,7 @@ def test_cpu_attention_bench_shared_prefix_cases_agree():
 
 
 def test_cpu_attention_bench_baseline_is_a_second_build_that_agrees(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     baseline = native.load(native.build("gcc", [*native.default_flags(), "-O1"]))
     fns = cpu_attention.case_fns(3, 70, 2, torch.bfloat16, baseline)
     assert set(fns) == {"torch", "native", "baseline"}

@@ -56,7 +56,7 @@ def _check(lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=N
 
 
 def test_the_library_is_built_once_per_source_flags_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     first = native.build("gcc", native.default_flags())
     assert first.parent == tmp_path / "kernels" and first.exists()
     built_at = first.stat().st_mtime_ns
@@ -88,7 +88,7 @@ def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
         shutil.copy(path, sources / path.name)
     monkeypatch.setattr(native, "SOURCES", tuple(sources / p.name for p in native.SOURCES))
     monkeypatch.setattr(native, "HEADERS", tuple(sources / p.name for p in native.HEADERS))
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     first = native.build("gcc", native.default_flags())
     header = sources / "cpu_attention.h"
     header.write_text(header.read_text() + "\n/* edited */\n")
@@ -97,7 +97,7 @@ def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
 
 
 def test_a_failed_build_raises_with_the_compiler_message(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     with pytest.raises(RuntimeError, match="gcc failed"):
         native.build("gcc", [*native.default_flags(), "-fno-such-flag"])
     assert not list((tmp_path / "kernels").glob("*"))
@@ -128,7 +128,7 @@ def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, tmp_path, monk
     """The default build takes the best path this CPU has; the others need their own
     builds: without AVX512-BF16, bf16 is widened to fp32 on AVX-512; without AVX-512,
     plain C (elsewhere than x86 the default build is that path)."""
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     flags = [f"-mno-{without}"] if platform.machine() == "x86_64" else []
     lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
     _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
@@ -158,7 +158,7 @@ def test_sequences_sharing_prefix_blocks_match_the_oracle(build, dtype, tmp_path
     merged with each sequence's own keys; the other builds and dtypes ignore sharing."""
     lib = None
     if build != "default" and platform.machine() == "x86_64":
-        monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+        monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
         lib = native.load(native.build("gcc", [*native.default_flags(), build]))
     case, q_lens = _shared_prefix_case(dtype)
     query, starts = extend_inputs(case, q_lens, 9)
@@ -174,7 +174,7 @@ def test_sequences_sharing_prefix_blocks_match_the_oracle(build, dtype, tmp_path
 
 
 def test_runs_route_to_the_c_kernel_up_to_its_limit_for_the_cpus_paths(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     lib = native.library()
     tiles = bool(lib.chatsvc_attention_uses_tiles())
     assert native_max_query(torch.bfloat16, 64, lib) == (

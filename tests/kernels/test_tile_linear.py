@@ -98,7 +98,7 @@ def test_a_build_without_the_tile_unit_refuses(tmp_path, monkeypatch):
 
     from kernels import native
 
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     flags = ["-mno-amx-tile"] if platform.machine() == "x86_64" else []
     lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
     assert lib.chatsvc_linear_uses_tiles() == 0

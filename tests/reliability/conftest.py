@@ -19,12 +19,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis
 
+from bench.live_server import ThreadServer
 from chatsvc.config import Limits, Settings
-from tests import http_helpers
-from tests.api.live_server import ThreadServer
+from tests import http_helpers, live_service
 from tests.http_helpers import keyspace, new_session, unique  # noqa: F401 - re-exported
+from tests.live_service import tenant_client
 from tests.redis_server import unique_prefix
 
 ACME_KEY = "acme-reliability-key-01"
@@ -33,7 +33,6 @@ FUZZ_KEY = "fuzz-reliability-key-03"
 CAROL_KEY = "carol-reliability-key-04"
 ADMIN_KEY = "admin-reliability-key-05"
 TENANT_KEYS = {"acme": ACME_KEY, "globex": GLOBEX_KEY, "fuzz": FUZZ_KEY, "carol": CAROL_KEY}
-MAX_MODEL_LEN = 1024
 
 # Small caps keep every generation short (the fuzzer sends thousands of requests
 # on two cores) and make each limit reachable by a test in a few requests.
@@ -48,17 +47,7 @@ RELIABILITY_LIMITS = Limits(
 
 
 def engine_config():
-    from chatsvc.engine import EngineConfig
-
-    return EngineConfig(
-        model="smollm2",
-        block_size=16,
-        num_gpu_blocks=384,
-        num_host_blocks=32,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=256,
-        max_num_seqs=16,
-    )
+    return live_service.engine_config(num_gpu_blocks=384, num_host_blocks=32)
 
 
 @contextlib.contextmanager
@@ -93,34 +82,10 @@ def client(server: ThreadServer, key: str | None, timeout_s: float = 120) -> htt
     return http_helpers.client(server.url, key, timeout_s)
 
 
-@pytest.fixture
-def acme(server):
-    with client(server, ACME_KEY) as http:
-        yield http
-
-
-@pytest.fixture
-def globex(server):
-    with client(server, GLOBEX_KEY) as http:
-        yield http
-
-
-@pytest.fixture
-def carol(server):
-    with client(server, CAROL_KEY) as http:
-        yield http
-
-
-@pytest.fixture
-def admin(server):
-    with client(server, ADMIN_KEY) as http:
-        yield http
-
-
-@pytest.fixture
-def raw_redis(redis_server):
-    with redis.Redis.from_url(redis_server.url) as r:
-        yield r
+acme = tenant_client("server", ACME_KEY)
+globex = tenant_client("server", GLOBEX_KEY)
+carol = tenant_client("server", CAROL_KEY)
+admin = tenant_client("server", ADMIN_KEY)
 
 
 # Turns here are 4 tokens: the reliability checks need a stored turn, not text.

@@ -1,4 +1,4 @@
-"""Concurrency (issue 7, item 5): racing clients on one session, and clients that cut
+"""Concurrency: racing clients on one session, and clients that cut
 their streams at random points.
 
 Every client here has its own ``httpx.Client`` (its own connection), started
@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.api.live_server import wait_until
+from bench.live_server import wait_until
 from tests.reliability.conftest import (
     ACME_KEY,
     ADMIN_KEY,

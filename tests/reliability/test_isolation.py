@@ -1,4 +1,4 @@
-"""Tenant isolation (issue 7, item 6): one tenant's ids confirm nothing to another,
+"""Tenant isolation: one tenant's ids confirm nothing to another,
 keys are stored hashed and compared in constant time, and the admin API has its own key.
 """
 

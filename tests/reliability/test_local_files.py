@@ -29,20 +29,18 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
 
-def test_the_data_dir_and_everything_made_under_it_are_private(tmp_path, monkeypatch):
+def test_the_data_dir_and_everything_made_under_it_are_private(tmp_path):
     root = tmp_path / "a" / "b"
-    monkeypatch.setenv(paths.DATA_DIR_ENV, str(root))
-    assert paths.data_dir() == root
+    assert paths.data_dir(root) == root
     assert _mode(tmp_path / "a") == _mode(root) == 0o700
-    assert _mode(paths.models_dir()) == 0o700
+    assert _mode(paths.models_dir(root)) == 0o700
 
 
-def test_a_data_dir_an_older_version_left_open_is_tightened(tmp_path, monkeypatch):
+def test_a_data_dir_an_older_version_left_open_is_tightened(tmp_path):
     root = tmp_path / "old"
     root.mkdir()
     root.chmod(0o755)
-    monkeypatch.setenv(paths.DATA_DIR_ENV, str(root))
-    paths.data_dir()
+    paths.data_dir(root)
     assert _mode(root) == 0o700
 
 
@@ -59,7 +57,7 @@ def tiny_sources(tmp_path, monkeypatch):
         pytest.fail("these tests need gcc, as the native kernels do")
     source = tmp_path / "answer.c"
     source.write_text("int chatsvc_answer(void) { return 42; }\n")
-    monkeypatch.setenv("CHATSVC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "data" / "kernels")
     monkeypatch.setattr(native, "SOURCES", (source,))
     monkeypatch.setattr(native, "HEADERS", ())
     return tmp_path

@@ -26,10 +26,10 @@ import time
 import httpx
 import pytest
 
+from bench.live_server import ThreadServer
 from chatsvc.chat_client import iter_sse
 from chatsvc.config import Settings
 from chatsvc.store.embedded import EmbeddedRedis
-from tests.api.live_server import ThreadServer
 from tests.redis_server import unique_prefix
 from tests.reliability.conftest import RELIABILITY_LIMITS, engine_config
 

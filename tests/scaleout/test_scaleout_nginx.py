@@ -15,7 +15,8 @@ import uuid
 import httpx
 import pytest
 
-from bench.scaleout.nginx import Nginx, free_port
+from bench.live_server import free_port
+from bench.scaleout.nginx import Nginx
 from tests.scaleout.backends import Backend, Recorder
 
 

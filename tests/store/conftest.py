@@ -3,18 +3,9 @@ from __future__ import annotations
 import pytest
 
 from chatsvc.store import Store
-from tests.redis_server import test_server, unique_prefix
+from tests.redis_server import unique_prefix
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    with test_server(tmp_path_factory.mktemp("redis")) as server:
-        yield server
+# redis_server and anyio_backend come from tests/conftest.py.
 
 
 @pytest.fixture

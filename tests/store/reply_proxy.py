@@ -13,7 +13,7 @@ script cache missing, not the write, and redis-py answers it by loading the
 script and sending the command again.
 
 ``ThreadedProxy`` runs one on its own event loop in a thread, for a service
-that runs on another loop (tests/api/live_server.py's ThreadServer).
+that runs on another loop (bench/live_server.py's ThreadServer).
 """
 
 from __future__ import annotations

@@ -53,10 +53,10 @@ async def test_frozen_server_times_out_instead_of_hanging(tmp_path):
         os.kill(server.pid, signal.SIGSTOP)
         try:
             with pytest.raises(StoreUnavailableError, match="Timeout"):
-                await store.get_tenant(tenant.id)
+                await store.tenant_by_name(tenant.name)
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        assert await store.get_tenant(tenant.id) == tenant
+        assert await store.tenant_by_name(tenant.name) == tenant
         await store.close()
 
 
@@ -80,7 +80,7 @@ async def test_acknowledged_turns_survive_a_server_restart(tmp_path, restart):
         server.start()
 
         store = await Store.connect(server.url, prefix="p", session_ttl_s=3600)
-        assert await store.get_tenant(tenant.id) == tenant
+        assert await store.tenant_by_name(tenant.name) == tenant
         for session in sessions:
             assert await store.get_messages(tenant.id, session.id) == before[session.id]
             assert (await store.get_session(tenant.id, session.id)).num_messages == 21
@@ -115,7 +115,7 @@ async def test_unix_socket_server(tmp_path):
         assert server.url.startswith("unix://")
         store = await Store.connect(server.url, prefix="p")
         tenant = await new_tenant(store)
-        assert await store.get_tenant(tenant.id) == tenant
+        assert await store.tenant_by_name(tenant.name) == tenant
         await store.close()
 
 
@@ -235,7 +235,7 @@ async def test_a_data_dir_too_long_for_a_socket_path_gets_a_private_socket_dir(t
         server.start()  # same data dir, same socket: clients reconnect
         assert server.url == f"unix://{sock}"
         store = await Store.connect(server.url, prefix="p")
-        assert await store.get_tenant(tenant.id) == tenant
+        assert await store.tenant_by_name(tenant.name) == tenant
         await store.close()
 
 
@@ -280,7 +280,7 @@ async def test_a_frozen_server_costs_each_command_three_tries_at_most(tmp_path, 
                 replies_waited.clear()
                 with pytest.raises(StoreUnavailableError):
                     # The deadline only keeps a regression from hanging the suite.
-                    await asyncio.wait_for(store.get_tenant(tenant.id), 120)
+                    await asyncio.wait_for(store.tenant_by_name(tenant.name), 120)
                 assert len(replies_waited) <= 3
         finally:
             os.kill(server.pid, signal.SIGCONT)

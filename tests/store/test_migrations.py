@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-import migrations.runner as runner
+import chatsvc.store.schema as runner
 from chatsvc.store import SchemaVersionError, Store
 from chatsvc.store.keys import Keys
 from chatsvc.store.records import (
@@ -16,9 +16,10 @@ from chatsvc.store.records import (
     decode,
     decode_tokens,
     encode,
+    encode_tokens,
 )
+from chatsvc.store.schema import Migration, migrate
 from migrations import m0002_session_index_zset, m0004_session_tokens_key
-from migrations.runner import Migration, migrate
 
 pytestmark = pytest.mark.anyio
 
@@ -164,6 +165,10 @@ async def test_layout_2_token_histories_move_to_their_own_key(redis_server, pref
         for session in sessions:
             summary = decode(SessionSummary, await raw.get(keys.session(session.id)))
             assert summary == session.summary()
+            # Byte for byte what the store writes for that summary and that history.
+            assert await raw.get(keys.session(session.id)) == encode(session.summary())
+            tokens = await raw.get(keys.session_tokens(session.id))
+            assert tokens == encode_tokens(session.token_ids)
             assert b"token_ids" not in await raw.get(keys.session(session.id))
             assert await store.get_session(tenant.id, session.id) == session
         assert 0 < await raw.pttl(keys.session_tokens(sessions[1].id)) <= 600_000

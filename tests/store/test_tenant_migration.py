@@ -3,6 +3,7 @@ go, and shared prompts a tenant owned become its private ones."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from chatsvc.store import Store
@@ -71,6 +72,7 @@ async def test_layout_2_tenants_and_prompts_are_upgraded(redis_server, prefix, r
     await _write_layout_2(raw, keys)
     store = await Store.connect(redis_server.url, prefix=prefix)
     try:
+        # Every later migration ran too: the keyspace is at the newest layout.
         assert await raw.hget(keys.meta(), "layout") == str(SCHEMA_VERSION).encode()
         # Each name has one tenant; the rotated name keeps its newest tenant.
         assert (await store.tenant_by_name("acme")).id == "t2"
@@ -81,6 +83,10 @@ async def test_layout_2_tenants_and_prompts_are_upgraded(redis_server, prefix, r
         # The tenant-shared prompt is now t1's private one, and nobody else's.
         p1 = await store.get_system_prompt("t1", "p1")
         assert p1 is not None and not p1.shared
+        # Every other field is kept, in the bytes the store itself writes.
+        unshared = msgspec.structs.replace(_prompt("p1", "t1", True), shared=False)
+        assert p1 == unshared
+        assert await raw.get(keys.prompt("p1")) == encode(unshared)
         assert await store.get_system_prompt("t3", "p1") is None
         assert await store.list_shared_prompts() == []
         assert [p.id for p in await store.list_system_prompts("t3")] == ["p3"]

@@ -1,6 +1,9 @@
-"""Applies numbered keyspace migrations once, in order, under a Redis lock.
+"""The keyspace's schema: the runner that applies the migrations once, in order,
+under a Redis lock.
 
-The newest applied migration number lives under ``Keys.schema_version()``.
+The store owns the runner; the migrations are data it applies (the ``migrations``
+package, which imports nothing from chatsvc). The newest applied migration
+number lives under ``Keys.schema_version()``.
 Replicas starting together race for ``Keys.migration_lock()``; the loser waits
 until the winner is done and then finds nothing pending, so each migration
 runs once. A migration bumps the version only after it finished, so one that
@@ -16,6 +19,7 @@ from typing import NamedTuple
 
 import redis.asyncio as aredis
 
+import migrations
 from chatsvc.store.connection import make_client, unavailable_on_failure
 from chatsvc.store.errors import SchemaVersionError, StoreError
 from chatsvc.store.keys import Keys
@@ -36,19 +40,7 @@ class Migration(NamedTuple):
 
 def all_migrations() -> tuple[Migration, ...]:
     """Every migration, oldest first."""
-    from migrations import (
-        m0001_initial,
-        m0002_session_index_zset,
-        m0003_tenant_names_and_operator_prompts,
-        m0004_session_tokens_key,
-    )
-
-    return (
-        m0001_initial.MIGRATION,
-        m0002_session_index_zset.MIGRATION,
-        m0003_tenant_names_and_operator_prompts.MIGRATION,
-        m0004_session_tokens_key.MIGRATION,
-    )
+    return tuple(Migration(m.VERSION, m.NAME, m.up) for m in migrations.MIGRATIONS)
 
 
 async def current_version(client: aredis.Redis, keys: Keys) -> int:
@@ -70,8 +62,8 @@ async def apply_pending(
     Raises ``SchemaVersionError`` if the keyspace is newer than this code, and
     ``StoreError`` if another runner holds the lock for longer than ``wait_s``.
     """
-    migrations = all_migrations()
-    latest = migrations[-1].version
+    pending = all_migrations()
+    latest = pending[-1].version
     deadline = time.monotonic() + wait_s
     while True:
         version = await current_version(client, keys)
@@ -95,7 +87,7 @@ async def apply_pending(
     async with keep_held(lock):
         # Re-read under the lock: the previous holder may have finished in between.
         version = await current_version(client, keys)
-        for migration in migrations:
+        for migration in pending:
             if migration.version <= version:
                 continue
             await migration.up(client, keys)
