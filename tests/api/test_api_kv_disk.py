@@ -99,8 +99,9 @@ def stored_tokens(server, session_id: str) -> list[int]:
 
 
 def samples(text: str) -> dict:
+    """Samples by (name, labels), without the ``replica`` label every sample carries."""
     return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "replica"))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
