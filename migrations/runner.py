@@ -41,6 +41,7 @@ def all_migrations() -> tuple[Migration, ...]:
         m0002_session_index_zset,
         m0003_tenant_names_and_operator_prompts,
         m0004_session_tokens_key,
+        m0005_message_tree,
     )
 
     return (
@@ -48,6 +49,7 @@ def all_migrations() -> tuple[Migration, ...]:
         m0002_session_index_zset.MIGRATION,
         m0003_tenant_names_and_operator_prompts.MIGRATION,
         m0004_session_tokens_key.MIGRATION,
+        m0005_message_tree.MIGRATION,
     )
 
 
