@@ -7,7 +7,13 @@ import pytest
 
 from chatsvc.store import Store
 from chatsvc.store.keys import Keys
-from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord, encode
+from chatsvc.store.records import (
+    SCHEMA_VERSION,
+    SessionRecord,
+    SystemPromptRecord,
+    TenantRecord,
+    encode,
+)
 from migrations import m0003_tenant_names_and_operator_prompts as m0003
 
 pytestmark = pytest.mark.anyio
@@ -65,7 +71,7 @@ async def test_layout_2_tenants_and_prompts_are_upgraded(redis_server, prefix, r
     await _write_layout_2(raw, keys)
     store = await Store.connect(redis_server.url, prefix=prefix)
     try:
-        assert await raw.hget(keys.meta(), "layout") == b"3"
+        assert await raw.hget(keys.meta(), "layout") == str(SCHEMA_VERSION).encode()
         # Each name has one tenant; the rotated name keeps its newest tenant.
         assert (await store.tenant_by_name("acme")).id == "t2"
         assert (await store.tenant_by_name("globex")).id == "t3"

@@ -8,7 +8,7 @@ import pytest
 
 from chatsvc.store import NotFoundError, Store
 from chatsvc.store.errors import LimitExceededError
-from tests.store.helpers import new_tenant, turn
+from tests.store.helpers import append, new_tenant, turn
 
 pytestmark = pytest.mark.anyio
 
@@ -148,7 +148,7 @@ async def test_a_session_outlives_the_prompt_it_started_on(store: Store):
     assert await store.delete_system_prompt(a.id, prompt.id)
 
     user, assistant = turn(1)
-    updated = await store.append_turn(a.id, session.id, user, assistant)
+    updated = await append(store, a.id, session.id, user, assistant)
     assert updated.token_ids == [5, 6, *user.token_ids, *assistant.token_ids]
     messages = await store.get_messages(a.id, session.id)
     assert [(m.role, m.text) for m in messages][0] == ("system", "Be brief.")
