@@ -14,6 +14,7 @@ import chatsvc
 from chatsvc.api.admin import AdminController
 from chatsvc.api.auth import provide_tenant
 from chatsvc.api.body_timeout import body_timeout_middleware
+from chatsvc.api.branches import BranchController
 from chatsvc.api.content_type import json_only_middleware
 from chatsvc.api.errors import EXCEPTION_HANDLERS
 from chatsvc.api.health import healthz, readyz
@@ -48,6 +49,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             readyz,
             SessionController,
             MessageController,
+            BranchController,
             SystemPromptController,
             OpenAIController,
             AdminController,
