@@ -49,7 +49,11 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False
+    # Caller ids (chatsvc.api.caller_ids): logged as hashes; the cache key comes back
+    # in the X-Prompt-Cache-Key header, for a load balancer's affinity.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # Extension (the openai SDK sends it with extra_body): a stored system prompt by
     # id, whose text becomes the leading system message. Only a shared prompt named
     # here puts the conversation's head in the public cache namespace.
