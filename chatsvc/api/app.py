@@ -16,11 +16,13 @@ from chatsvc.api.auth import provide_tenant
 from chatsvc.api.body_timeout import body_timeout_middleware
 from chatsvc.api.branches import BranchController
 from chatsvc.api.content_type import json_only_middleware
+from chatsvc.api.conversations import ConversationController
 from chatsvc.api.errors import EXCEPTION_HANDLERS
 from chatsvc.api.health import healthz, readyz
 from chatsvc.api.host_check import allowed_hosts_middleware
 from chatsvc.api.messages import MessageController
 from chatsvc.api.openai_compat import OpenAIController
+from chatsvc.api.responses import ResponsesController
 from chatsvc.api.sessions import SessionController
 from chatsvc.api.system_prompts import SystemPromptController
 from chatsvc.config import Settings
@@ -52,6 +54,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             BranchController,
             SystemPromptController,
             OpenAIController,
+            ResponsesController,
+            ConversationController,
             AdminController,
         ],
         dependencies={
