@@ -34,7 +34,7 @@ async def _long_history(store, tenant_id: str, session_id: str) -> None:
 
 def test_listing_pages_are_summaries_under_the_byte_budget(api, acme):
     store = api.services.store
-    tenant_id = api.call(store.tenant_by_api_key(ACME_KEY)).id
+    tenant_id = api.services.tenants.tenant_for_key(ACME_KEY).id
     ids = []
     try:
         for _ in range(NUM_SESSIONS):
