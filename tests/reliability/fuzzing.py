@@ -13,24 +13,34 @@ from collections.abc import Callable, Iterator
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
+# Paths whose requests name a model: aimed at the served one too, so valid bodies
+# reach generation and not only the 404 branch.
+MODEL_PATHS = ("/v1/chat/completions", "/v1/responses")
+
 
 def operation_strategies(
-    schema, session_id: str, model: str
+    schema, session_id: str, model: str, conversation_id: str | None = None
 ) -> Iterator[tuple[str, object, object]]:
     """(label, operation, strategy) for every operation and mode, plus the session
-    operations aimed at ``session_id`` and chat completions naming the served model."""
+    operations aimed at ``session_id``, the conversation operations aimed at
+    ``conversation_id`` (a session made by the Conversations API) and the requests
+    that name a model naming the served one."""
+    live = {"session_id": session_id, "conversation_id": conversation_id}
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             strategy = operation.as_strategy(generation_mode=mode)
             yield f"{operation.label} {mode.value}", operation, strategy
             # Deleting the live session would turn every later aimed request into a 404.
-            if "{session_id}" in operation.path and operation.method.upper() != "DELETE":
-                aimed = operation.as_strategy(
-                    generation_mode=mode, path_parameters={"session_id": session_id}
-                )
-                yield f"{operation.label} {mode.value} live-session", operation, aimed
-            if operation.path == "/v1/chat/completions" and mode is GenerationMode.POSITIVE:
+            for name, value in live.items():
+                if value is None or "{" + name + "}" not in operation.path:
+                    continue
+                if operation.method.upper() == "DELETE":
+                    continue
+                aimed = operation.as_strategy(generation_mode=mode, path_parameters={name: value})
+                label = f"{operation.label} {mode.value} live-{name.removesuffix('_id')}"
+                yield label, operation, aimed
+            if operation.path in MODEL_PATHS and mode is GenerationMode.POSITIVE:
                 yield (
                     f"{operation.label} served-model",
                     operation,
