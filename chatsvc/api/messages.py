@@ -28,6 +28,7 @@ from chatsvc.api.errors import (
     error_body,
     log_store_unavailable,
 )
+from chatsvc.api.openapi_streams import StreamingOperation
 from chatsvc.api.schemas import (
     MessageList,
     MessageView,
@@ -48,6 +49,7 @@ class MessageController(Controller):
     @post(
         "/",
         summary="Send a user message (or regenerate an answer) and get the assistant's answer",
+        operation_class=StreamingOperation,
         status_code=200,
         responses={
             200: ResponseSpec(

@@ -43,6 +43,7 @@ from chatsvc.api.openai_schemas import (
     ModelList,
     PromptTokensDetails,
 )
+from chatsvc.api.openapi_streams import StreamingOperation
 from chatsvc.api.system_prompts import named_system_prompt
 
 ENDPOINT = "chat_completions"
@@ -59,6 +60,7 @@ class OpenAIController(Controller):
     @post(
         "/chat/completions",
         summary="Chat completion (OpenAI format)",
+        operation_class=StreamingOperation,
         status_code=200,
         responses={
             200: ResponseSpec(

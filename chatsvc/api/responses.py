@@ -28,6 +28,7 @@ from chatsvc.api.branches import locked_write
 from chatsvc.api.caller_ids import affinity_headers, check_caller_ids, log_caller_ids
 from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import InvalidRequestError, NotFoundError, documented_errors
+from chatsvc.api.openapi_streams import StreamingOperation
 from chatsvc.api.response_schemas import (
     CreateResponse,
     ItemList,
@@ -60,6 +61,7 @@ class ResponsesController(Controller):
     @post(
         "/",
         summary="Create a response (OpenAI Responses API)",
+        operation_class=StreamingOperation,
         status_code=200,
         responses={
             200: ResponseSpec(

@@ -17,7 +17,7 @@ from chatsvc.api.host_check import allowed_hosts_middleware, host_name
 from chatsvc.config import Settings, SettingsError
 from chatsvc.store.connection import unavailable_on_failure
 
-KEYS = "acme:acme-key-0001"
+KEYS = "acme:acme-guards-key-0001"
 
 
 @pytest.mark.parametrize(

@@ -108,9 +108,11 @@ def test_a_guess_registered_as_shared_never_confirms_another_tenants_system_text
     assert cached(complete(globex, guess, question)) == 0
     # Named by id, the text is public, but acme's request did not compute it there.
     assert cached(complete(globex, None, question, system_prompt_id=shared_id)) == 0
-    # Control: the public path works, for globex's own earlier computation.
+    # Control: the public path works, for globex's own earlier computation. At least
+    # the prompt's full blocks hit; the block the prompt ends in may hit too when its
+    # remainder is the turn's fixed opening tokens, computed by globex's last request.
     again = complete(globex, None, unique("Shipping?"), system_prompt_id=shared_id)
-    assert cached(again) == num_tokens // BLOCK_SIZE * BLOCK_SIZE
+    assert cached(again) >= num_tokens // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_tenants_cannot_share_and_a_refusal_writes_nothing(api, raw_redis, acme, globex):
@@ -151,7 +153,10 @@ def test_system_prompt_id_on_the_openai_path(api, admin, acme, globex):
             )
 
     # Sent along with the id, the same text is accepted; other text is a 400.
-    same = complete(acme, shared["text"], unique("Hello"), system_prompt_id=shared["id"])
+    # (Its first token differs from the SDK call's "[", which may share the last
+    # block of the prompt's head; that block is acme's own, hashed privately.)
+    question = f"Hello {uuid.uuid4().hex}"
+    same = complete(acme, shared["text"], question, system_prompt_id=shared["id"])
     assert cached(same) == shared["num_tokens"] // BLOCK_SIZE * BLOCK_SIZE
     body = {
         "model": "SmolLM2-135M-Instruct",
