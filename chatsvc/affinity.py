@@ -116,13 +116,13 @@ class AffinityTracker:
 
 def record_turn(services: Any, turn: Any, metrics: Any, completion_tokens: int) -> None:
     """Feed one stored session turn (chatsvc.api.turn.PreparedTurn) to the tracker and metrics."""
-    session = turn.session
+    context = turn.context
     prompt = turn.request.prompt_token_ids
     history = HistoryTurn(
-        session_id=session.id,
-        stored_tokens=len(session.token_ids),
-        # num_messages counts an optional system message and two per stored turn
-        prior_turns=session.num_messages >= 2,
+        session_id=turn.session_id,
+        stored_tokens=len(context.tokens),
+        # the branch it continues holds an answer: a turn was stored before this one
+        prior_turns=any(m.role == "assistant" for m in context.messages),
         extends_history=turn.reused,
         prompt_tokens=len(prompt),
         cached_tokens=metrics.cached_prompt_tokens,

@@ -49,6 +49,9 @@ class Limits:
     max_tokens_cap: int = 2048
     max_n: int = 8
     max_sessions_per_tenant: int = 10_000
+    # Messages one session keeps on all its branches (regenerated answers, edits,
+    # conversation items): each is stored, so the count is bounded.
+    max_messages_per_session: int = 10_000
     max_streams_per_tenant: int = 8
     # Private system prompts one tenant may keep, and shared ones the operator may publish.
     max_system_prompts_per_tenant: int = 100

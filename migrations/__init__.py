@@ -16,6 +16,7 @@ from migrations import (
     m0002_session_index_zset,
     m0003_tenant_names_and_operator_prompts,
     m0004_session_tokens_key,
+    m0005_message_tree,
 )
 
 # Oldest first; the store's SCHEMA_VERSION is the last one's VERSION.
@@ -24,4 +25,5 @@ MIGRATIONS = (
     m0002_session_index_zset,
     m0003_tenant_names_and_operator_prompts,
     m0004_session_tokens_key,
+    m0005_message_tree,
 )

@@ -14,13 +14,16 @@ import chatsvc
 from chatsvc.api.admin import AdminController
 from chatsvc.api.auth import provide_tenant
 from chatsvc.api.body_timeout import body_timeout_middleware
+from chatsvc.api.branches import BranchController
 from chatsvc.api.completions import CompletionsController
 from chatsvc.api.content_type import json_only_middleware
+from chatsvc.api.conversations import ConversationController
 from chatsvc.api.errors import EXCEPTION_HANDLERS
 from chatsvc.api.health import healthz, readyz
 from chatsvc.api.host_check import allowed_hosts_middleware
 from chatsvc.api.messages import MessageController
 from chatsvc.api.openai_compat import OpenAIController
+from chatsvc.api.responses import ResponsesController
 from chatsvc.api.sessions import SessionController
 from chatsvc.api.system_prompts import SystemPromptController
 from chatsvc.api.tokenize import TokenizeController
@@ -50,10 +53,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
             readyz,
             SessionController,
             MessageController,
+            BranchController,
             SystemPromptController,
             OpenAIController,
             CompletionsController,
             TokenizeController,
+            ResponsesController,
+            ConversationController,
             AdminController,
         ],
         dependencies={

@@ -1,4 +1,4 @@
-"""Posting a user message: a JSON answer, or Server-Sent Events with ``stream: true``.
+"""Posting a message (a turn, a regenerated answer, an edit), a JSON answer or SSE.
 
 SSE events: ``delta`` (data ``{"text": ...}``) for each piece of the answer,
 then either ``done`` (data: the same TurnResult the JSON answer carries, sent
@@ -14,22 +14,32 @@ import msgspec
 from litestar import Controller, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, JSONBody, Parameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
+from chatsvc.api import generation as gen
+from chatsvc.api.branches import branch_view, read_branch
 from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import (
     STORE_UNAVAILABLE_MESSAGE,
     ApiError,
-    NotFoundError,
+    InvalidRequestError,
     documented_errors,
     error_body,
     log_store_unavailable,
 )
 from chatsvc.api.openapi_streams import StreamingOperation
-from chatsvc.api.schemas import MessageList, MessageView, PostMessage, TextDelta, TurnResult
-from chatsvc.api.turn import UNKNOWN_SESSION, begin_turn, run_turn
-from chatsvc.store import InvalidInputError, StoreUnavailableError
+from chatsvc.api.schemas import (
+    MessageList,
+    MessageView,
+    PostMessage,
+    TextDelta,
+    Timings,
+    TurnResult,
+)
+from chatsvc.api.schemas import Usage as UsageView
+from chatsvc.api.turn import StoredTurn, TurnSpec, begin_turn, run_turn
+from chatsvc.store import StoreUnavailableError
 
 
 class MessageController(Controller):
@@ -38,7 +48,7 @@ class MessageController(Controller):
 
     @post(
         "/",
-        summary="Send a user message and get the assistant's answer",
+        summary="Send a user message (or regenerate an answer) and get the assistant's answer",
         operation_class=StreamingOperation,
         status_code=200,
         responses={
@@ -59,8 +69,19 @@ class MessageController(Controller):
         tenant: TenantDep,
     ) -> Response[TurnResult] | ServerSentEvent:
         """One turn. 409 while another turn of the session runs; 429 over the tenant's
-        concurrent-generation limit. With ``stream: true`` the answer is an SSE stream."""
-        turn, hold = await begin_turn(services, tenant, session_id, data)
+        concurrent-generation limit. With ``stream: true`` the answer is an SSE stream.
+        ``regenerate`` / ``parent_message_id`` branch (see PostMessage)."""
+        spec = _spec(services, data)
+        sampling, requested = gen.build_sampling(
+            services,
+            max_tokens=data.max_tokens,
+            temperature=data.temperature,
+            top_p=data.top_p,
+            top_k=data.top_k,
+            seed=data.seed,
+            stop=data.stop,
+        )
+        turn, hold = await begin_turn(services, tenant, session_id, spec, sampling, requested)
         events = run_turn(services, tenant, turn, hold)
         if data.stream:
             # The background task is a second, idempotent release: it covers a
@@ -68,8 +89,8 @@ class MessageController(Controller):
             return ServerSentEvent(_sse(events), background=BackgroundTask(hold.release))
         result = None
         async for item in events:
-            if isinstance(item, TurnResult):
-                result = item
+            if isinstance(item, StoredTurn):
+                result = turn_result(item)
         assert result is not None  # run_turn raises unless it yields a result
         # Wrapped in a Response (like the SSE branch) so the handler keeps no
         # fixed media type and each branch sends its own Content-Type.
@@ -77,31 +98,64 @@ class MessageController(Controller):
 
     @get(
         "/",
-        summary="The session's history, oldest first",
+        summary="A branch of the session (the active one by default), oldest first",
         responses=documented_errors(400, 401, 404, 503),
     )
     async def list_messages(
-        self, session_id: FromPath[str], services: ServicesDep, tenant: TenantDep
+        self,
+        session_id: FromPath[str],
+        services: ServicesDep,
+        tenant: TenantDep,
+        leaf_id: str | None = Parameter(
+            default=None, max_length=64, description="show the branch ending at this message"
+        ),
     ) -> MessageList:
-        try:
-            messages = await services.store.get_messages(tenant.id, session_id)
-        except InvalidInputError:
-            messages = None
-        if messages is None:
-            raise NotFoundError(UNKNOWN_SESSION)
-        return MessageList(
-            session_id=session_id,
-            messages=[
-                MessageView(role=m.role, content=m.text, created_at=m.created_at) for m in messages
-            ],
-        )
+        """Each message says its siblings (other versions at its place); ``leaf_id``
+        shows another branch without making it active."""
+        return branch_view(session_id, await read_branch(services, tenant, session_id, leaf_id))
 
 
-async def _sse(events: AsyncIterator[str | TurnResult]) -> AsyncIterator[ServerSentEventMessage]:
+def _spec(services, data: PostMessage) -> TurnSpec:
+    if data.regenerate:
+        if data.content is not None:
+            raise InvalidRequestError("regenerate takes no content (it answers a stored message)")
+        return TurnSpec(parent_id=data.parent_message_id, regenerate=True)
+    if data.content is None:
+        raise InvalidRequestError("content is required (or regenerate: true)")
+    gen.check_text(data.content, services)
+    return TurnSpec(inputs=(("user", data.content),), parent_id=data.parent_message_id)
+
+
+def turn_result(turn: StoredTurn) -> TurnResult:
+    """The native API's answer for a stored turn."""
+    m = turn.sample.metrics
+    out = turn.output
+    return TurnResult(
+        session_id=turn.session_id,
+        message=MessageView(
+            id=out.id,
+            role="assistant",
+            content=out.text,
+            created_at=out.created_at,
+            parent_id=out.parent_id,
+        ),
+        finish_reason=turn.sample.finish_reason,
+        usage=UsageView(
+            prompt_tokens=m.prompt_tokens,
+            cached_tokens=m.cached_prompt_tokens,
+            completion_tokens=m.completion_tokens,
+            cached_tokens_by_tier=dict(m.cached_tokens_by_tier),
+        ),
+        timings=Timings(ttft_s=m.ttft_s, tpot_s=m.tpot_s, latency_s=m.latency_s),
+        prefix_reused=turn.reused,
+    )
+
+
+async def _sse(events: AsyncIterator[str | StoredTurn]) -> AsyncIterator[ServerSentEventMessage]:
     try:
         async for item in events:
-            if isinstance(item, TurnResult):
-                data = msgspec.json.encode(item).decode()
+            if isinstance(item, StoredTurn):
+                data = msgspec.json.encode(turn_result(item)).decode()
                 yield ServerSentEventMessage(event="done", data=data)
             else:
                 data = msgspec.json.encode(TextDelta(text=item)).decode()

@@ -20,6 +20,7 @@ from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 
 from chatsvc.api import generation as gen
+from chatsvc.api.caller_ids import affinity_headers, check_caller_ids, log_caller_ids
 from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import (
     ApiError,
@@ -88,13 +89,20 @@ class OpenAIController(Controller):
         """Non-streaming: one ChatCompletion. ``stream: true``: chat.completion.chunk
         events ending with ``data: [DONE]``; usage in a last chunk with
         ``stream_options.include_usage``."""
+        check_caller_ids(data.prompt_cache_key, data.user, data.safety_identifier)
         request = await _build_request(services, tenant, data)
         slot = gen.StreamSlot(services, tenant.id)
         completion_id = gen.new_request_id("chatcmpl")
+        log_caller_ids(
+            ENDPOINT, completion_id, data.prompt_cache_key, data.user, data.safety_identifier
+        )
+        headers = affinity_headers(data.prompt_cache_key)
         created = int(time.time())
         if data.stream:
             chunks = _stream(services, request, slot, completion_id, created, data.include_usage)
-            return ServerSentEvent(chunks, background=BackgroundTask(_release, slot))
+            return ServerSentEvent(
+                chunks, background=BackgroundTask(_release, slot), headers=headers
+            )
         try:
             samples = await _collect(services, request)
         finally:
@@ -116,7 +124,7 @@ class OpenAIController(Controller):
             ],
             usage=_usage(samples),
         )
-        return Response(completion)
+        return Response(completion, headers=headers)
 
 
 async def _release(slot: gen.StreamSlot) -> None:

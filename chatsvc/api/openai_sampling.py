@@ -43,8 +43,8 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # OpenAI's end-user id: only for the provider's abuse monitoring, which this server
-    # does not do; accepted so the SDK's field works.
+    # OpenAI's end-user id: accepted so the SDK's field works; chat completions log it
+    # only as a short hash (chatsvc.api.caller_ids), nothing else reads it.
     user: str | None = None
 
     def stop_list(self) -> list[str]:

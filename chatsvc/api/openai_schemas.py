@@ -41,6 +41,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Caller ids (chatsvc.api.caller_ids; ``user`` is a sampling field): logged as
+    # hashes; the cache key comes back in the X-Prompt-Cache-Key header, for a load
+    # balancer's affinity.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # Extension (the openai SDK sends it with extra_body): a stored system prompt by
     # id, whose text becomes the leading system message. Only a shared prompt named
     # here puts the conversation's head in the public cache namespace.

@@ -88,19 +88,47 @@ class SamplingOptions(Request):
 
 
 class PostMessage(SamplingOptions, kw_only=True):
-    content: str
+    """A user message (``content``), or ``regenerate: true`` for a new answer.
+
+    ``parent_message_id``: with ``content``, the message it follows (an earlier one
+    branches off there, e.g. to edit a user message: name the message before it;
+    ``"root"`` starts at the top); with ``regenerate``, the user message to answer
+    again. Absent: the active branch's last message (its last user message for
+    ``regenerate``).
+    """
+
+    content: str | None = None
+    regenerate: bool = False
+    parent_message_id: str | None = None
     stream: bool = False
 
 
 class MessageView(msgspec.Struct, kw_only=True):
+    """One message. ``sibling_ids``: every message at its place in the tree (its
+    parent's children, itself included, oldest first): more than one = versions."""
+
+    id: str
     role: Literal["system", "user", "assistant"]
     content: str
     created_at: float
+    parent_id: str | None = None
+    sibling_ids: list[str] = msgspec.field(default_factory=list)
 
 
 class MessageList(msgspec.Struct, kw_only=True):
+    """A branch of the session, root first (the active one unless ``leaf_id`` named
+    another); ``continuations``: the ids of the messages that follow its last one."""
+
     session_id: str
     messages: list[MessageView]
+    continuations: list[str] = msgspec.field(default_factory=list)
+
+
+class SwitchBranch(Request):
+    """Make the branch through ``message_id`` active (from it, the newest message at
+    every step down to the end)."""
+
+    message_id: str
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -1,4 +1,4 @@
-"""The two writes that must happen exactly once: creating a session and committing a turn.
+"""The writes that must happen exactly once: creating a session and changing its tree.
 
 Each is one Lua script, so its checks and its writes are one atomic step in
 Redis, and each can be sent again without harm. That matters because a reply
@@ -11,9 +11,11 @@ it cannot survive the reconnect that a lost reply forces, and the retry would
 have to re-read and decide again in Python. A script carries its checks with
 it; the retried command is the very same check-and-write.
 
-Commit of a turn (``append``), in this order:
+Every change to a session's messages after its creation (a turn, a branch
+switch, a deleted branch or item, added items, new metadata, a deleted
+response) is one ``TreeWrite`` applied by ``apply``, in this order:
 
-1. the turn's id is among the session's recently applied turns -> "applied"
+1. the write's id is among the session's recently applied writes -> "applied"
    (a resend of a write that already landed: success, nothing written);
 2. the session's summary is gone -> "not_found" (deleted or expired);
 3. the lock key does not hold the caller's token -> "lock_lost" (its lock
@@ -21,76 +23,160 @@ Commit of a turn (``append``), in this order:
    the fencing check; nothing written);
 4. the summary is not byte-for-byte the one the caller computed from
    -> "conflict" (another writer got in between; the caller reads again);
-5. otherwise both messages, the new summary, the token history, the turn id,
-   the index score and the TTLs are written -> "ok".
+5. otherwise the new summary, token history, messages, child lists, active
+   path, responses, the write's id, the index score and the TTLs are written
+   -> "ok".
 
-A script checks everything before its first write, so an error can never
-leave half of it applied.
+A script parses all of its arguments before its first write, so an error can
+never leave half of it applied.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import redis.asyncio as aredis
 
-# How many applied turn ids a session remembers. A resend arrives within the
-# client's retry backoff, long before this many turns of one session (one at
+# How many applied write ids a session remembers. A resend arrives within the
+# client's retry backoff, long before this many writes of one session (one at
 # a time, under the turn lock) could have landed after it.
 REMEMBERED_COMMITS = 16
 
 Outcome = Literal["ok", "applied", "not_found", "lock_lost", "conflict"]
 
-# The shebang makes Redis check for out-of-memory once, before the script
-# runs, instead of refusing a write halfway through it.
-_APPEND = f"""#!lua
-if redis.call('lpos', KEYS[4], ARGV[1]) then
+# Redis reads a script's ARGV into Lua's stack; sets and deletes go in chunks
+# this size so no single call passes Lua's argument limit.
+_LUA_HELPERS = """
+local function take(args, i)
+    local n = tonumber(args[i])
+    local items = {}
+    for j = 1, n do items[j] = args[i + j] end
+    return items, i + n + 1
+end
+local function take_pairs(args, i)
+    local n = tonumber(args[i])
+    local items = {}
+    for j = 1, 2 * n do items[j] = args[i + j] end
+    return items, i + 2 * n + 1
+end
+local function each_chunk(items, size, fn)
+    for start = 1, #items, size do
+        fn(unpack(items, start, math.min(start + size - 1, #items)))
+    end
+end
+"""
+
+# KEYS: summary, tokens, nodes, children, path, responses, commits, lock, index
+# ARGV: write id, lock token, fingerprint, session id, score, ttl ms ('' = none),
+#       summary ('' = delete the session), tokens flag ('1' = set), tokens,
+#       path keep (-1 = the path stays as it is), then counted lists: path tail,
+#       node sets (pairs), node deletes, child sets (pairs), child deletes,
+#       response sets (pairs), response deletes.
+# The shebang makes Redis check for out-of-memory once, before the script runs,
+# instead of refusing a write halfway through it.
+_APPLY = (
+    "#!lua\n"
+    + _LUA_HELPERS
+    + f"""
+if redis.call('lpos', KEYS[7], ARGV[1]) then
     return 'applied'
 end
 local summary = redis.call('get', KEYS[1])
 if not summary then
     return 'not_found'
 end
-if redis.call('get', KEYS[5]) ~= ARGV[2] then
+if redis.call('get', KEYS[8]) ~= ARGV[2] then
     return 'lock_lost'
 end
 if redis.sha1hex(summary) ~= ARGV[3] then
     return 'conflict'
 end
-redis.call('rpush', KEYS[3], ARGV[9], ARGV[10])
-redis.call('set', KEYS[1], ARGV[4])
-redis.call('set', KEYS[2], ARGV[5])
-redis.call('lpush', KEYS[4], ARGV[1])
-redis.call('ltrim', KEYS[4], 0, {REMEMBERED_COMMITS - 1})
-redis.call('zadd', KEYS[6], ARGV[7], ARGV[6])
-if ARGV[8] ~= '' then
-    for i = 1, 4 do
-        redis.call('pexpire', KEYS[i], ARGV[8])
+local i = 11
+local tail, node_sets, node_dels, child_sets, child_dels, resp_sets, resp_dels
+tail, i = take(ARGV, i)
+node_sets, i = take_pairs(ARGV, i)
+node_dels, i = take(ARGV, i)
+child_sets, i = take_pairs(ARGV, i)
+child_dels, i = take(ARGV, i)
+resp_sets, i = take_pairs(ARGV, i)
+resp_dels, i = take(ARGV, i)
+if i - 1 ~= #ARGV then
+    return redis.error_reply('tree write: malformed arguments')
+end
+if ARGV[7] == '' then
+    for k = 1, 7 do
+        redis.call('del', KEYS[k])
+    end
+    redis.call('zrem', KEYS[9], ARGV[4])
+    return 'ok'
+end
+redis.call('set', KEYS[1], ARGV[7])
+if ARGV[8] == '1' then
+    redis.call('set', KEYS[2], ARGV[9])
+end
+local keep = tonumber(ARGV[10])
+if keep == 0 then
+    redis.call('del', KEYS[5])
+elseif keep > 0 then
+    redis.call('ltrim', KEYS[5], 0, keep - 1)
+end
+each_chunk(tail, 500, function(...) redis.call('rpush', KEYS[5], ...) end)
+each_chunk(node_dels, 500, function(...) redis.call('hdel', KEYS[3], ...) end)
+each_chunk(node_sets, 500, function(...) redis.call('hset', KEYS[3], ...) end)
+each_chunk(child_dels, 500, function(...) redis.call('hdel', KEYS[4], ...) end)
+each_chunk(child_sets, 500, function(...) redis.call('hset', KEYS[4], ...) end)
+each_chunk(resp_dels, 500, function(...) redis.call('hdel', KEYS[6], ...) end)
+each_chunk(resp_sets, 500, function(...) redis.call('hset', KEYS[6], ...) end)
+redis.call('lpush', KEYS[7], ARGV[1])
+redis.call('ltrim', KEYS[7], 0, {REMEMBERED_COMMITS - 1})
+redis.call('zadd', KEYS[9], ARGV[5], ARGV[4])
+if ARGV[6] ~= '' then
+    for k = 1, 7 do
+        redis.call('pexpire', KEYS[k], ARGV[6])
     end
 end
 return 'ok'
 """
+)
 
 # Session ids are 128 random bits made by the store, so a summary already
 # under the new id can only be this very create, landed before its reply was lost.
-_CREATE = """#!lua
+# KEYS: summary, tokens, nodes, children, path, responses, index
+# ARGV: summary, tokens, session id, score, ttl ms ('' = none), then counted
+#       lists: node sets (pairs), child sets (pairs), path, response sets (pairs).
+_CREATE = (
+    "#!lua\n"
+    + _LUA_HELPERS
+    + """
 if redis.call('exists', KEYS[1]) == 1 then
     return 'applied'
 end
+local i = 6
+local node_sets, child_sets, path, resp_sets
+node_sets, i = take_pairs(ARGV, i)
+child_sets, i = take_pairs(ARGV, i)
+path, i = take(ARGV, i)
+resp_sets, i = take_pairs(ARGV, i)
+if i - 1 ~= #ARGV then
+    return redis.error_reply('create: malformed arguments')
+end
 redis.call('set', KEYS[1], ARGV[1])
 redis.call('set', KEYS[2], ARGV[2])
-if ARGV[6] then
-    redis.call('rpush', KEYS[3], ARGV[6])
-end
-redis.call('zadd', KEYS[4], ARGV[4], ARGV[3])
+each_chunk(node_sets, 500, function(...) redis.call('hset', KEYS[3], ...) end)
+each_chunk(child_sets, 500, function(...) redis.call('hset', KEYS[4], ...) end)
+each_chunk(path, 500, function(...) redis.call('rpush', KEYS[5], ...) end)
+each_chunk(resp_sets, 500, function(...) redis.call('hset', KEYS[6], ...) end)
+redis.call('zadd', KEYS[7], ARGV[4], ARGV[3])
 if ARGV[5] ~= '' then
-    for i = 1, 3 do
-        redis.call('pexpire', KEYS[i], ARGV[5])
+    for k = 1, 6 do
+        redis.call('pexpire', KEYS[k], ARGV[5])
     end
 end
 return 'ok'
 """
+)
 
 
 class SessionKeys(NamedTuple):
@@ -98,73 +184,133 @@ class SessionKeys(NamedTuple):
 
     summary: str
     tokens: str
-    messages: str
+    nodes: str
+    children: str
+    path: str
+    responses: str
     commits: str
     lock: str
     index: str  # the tenant's session index
 
 
+@dataclass
+class TreeWrite:
+    """One change to a session, as ``apply`` writes it.
+
+    ``summary`` None deletes the whole session (its lock aside); ``tokens`` None
+    leaves the token history as it is. The active path keeps its first
+    ``path_keep`` ids (None: all of them) and gains ``path_tail``.
+    """
+
+    summary: bytes | None
+    tokens: bytes | None = None
+    path_keep: int | None = None
+    path_tail: list[str] = field(default_factory=list)
+    node_sets: dict[str, bytes] = field(default_factory=dict)
+    node_dels: list[str] = field(default_factory=list)
+    child_sets: dict[str, str] = field(default_factory=dict)
+    child_dels: list[str] = field(default_factory=list)
+    response_sets: dict[str, bytes] = field(default_factory=dict)
+    response_dels: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NewSession:
+    """Everything a new session starts with, written by ``create``."""
+
+    summary: bytes
+    tokens: bytes
+    node_sets: dict[str, bytes] = field(default_factory=dict)
+    child_sets: dict[str, str] = field(default_factory=dict)
+    path: list[str] = field(default_factory=list)
+    response_sets: dict[str, bytes] = field(default_factory=dict)
+
+
 def fingerprint(raw_summary: bytes) -> str:
-    """What ``append`` compares the stored summary against (the hex sha1 Redis computes)."""
+    """What ``apply`` compares the stored summary against (the hex sha1 Redis computes)."""
     return hashlib.sha1(raw_summary).hexdigest()
 
 
+def _counted(items) -> list:
+    items = list(items)
+    return [len(items), *items]
+
+
+def _counted_pairs(mapping: dict) -> list:
+    flat: list = [len(mapping)]
+    for key, value in mapping.items():
+        flat += [key, value]
+    return flat
+
+
 class CommitScripts:
-    """The create and append scripts, registered on one client."""
+    """The create and apply scripts, registered on one client."""
 
     def __init__(self, client: aredis.Redis) -> None:
-        self._append = client.register_script(_APPEND)
+        self._apply = client.register_script(_APPLY)
         self._create = client.register_script(_CREATE)
 
     async def create(
         self,
         keys: SessionKeys,
+        new: NewSession,
         *,
         session_id: str,
-        summary: bytes,
-        tokens: bytes,
         score: float,
         ttl_ms: int | None,
-        system_message: bytes | None,
     ) -> Outcome:
         """Write a new session unless it exists: "ok", or "applied" for a resend."""
-        args = [summary, tokens, session_id, repr(score), "" if ttl_ms is None else ttl_ms]
-        if system_message is not None:
-            args.append(system_message)
+        args = [
+            new.summary,
+            new.tokens,
+            session_id,
+            repr(score),
+            "" if ttl_ms is None else ttl_ms,
+            *_counted_pairs(new.node_sets),
+            *_counted_pairs(new.child_sets),
+            *_counted(new.path),
+            *_counted_pairs(new.response_sets),
+        ]
         reply = await self._create(
-            keys=[keys.summary, keys.tokens, keys.messages, keys.index], args=args
+            keys=[keys.summary, keys.tokens, keys.nodes, keys.children, keys.path]
+            + [keys.responses, keys.index],
+            args=args,
         )
         return _outcome(reply)
 
-    async def append(
+    async def apply(
         self,
         keys: SessionKeys,
+        write: TreeWrite,
         *,
         session_id: str,
-        turn_id: str,
+        write_id: str,
         lock_token: str,
         read_fingerprint: str,
-        summary: bytes,
-        tokens: bytes,
         score: float,
         ttl_ms: int | None,
-        messages: tuple[bytes, bytes],
     ) -> Outcome:
-        """Commit one turn under the checks in the module docstring; the outcome."""
-        reply = await self._append(
-            keys=list(keys),
-            args=[
-                turn_id,
-                lock_token,
-                read_fingerprint,
-                summary,
-                tokens,
-                session_id,
-                repr(score),
-                "" if ttl_ms is None else ttl_ms,
-                *messages,
-            ],
-        )
+        """Apply one write under the checks in the module docstring; the outcome."""
+        args = [
+            write_id,
+            lock_token,
+            read_fingerprint,
+            session_id,
+            repr(score),
+            "" if ttl_ms is None else ttl_ms,
+            b"" if write.summary is None else write.summary,
+            "0" if write.tokens is None else "1",
+            b"" if write.tokens is None else write.tokens,
+            -1 if write.path_keep is None else write.path_keep,
+            *_counted(write.path_tail),
+            *_counted_pairs(write.node_sets),
+            *_counted(write.node_dels),
+            *_counted_pairs(write.child_sets),
+            *_counted(write.child_dels),
+            *_counted_pairs(write.response_sets),
+            *_counted(write.response_dels),
+        ]
+        reply = await self._apply(keys=list(keys), args=args)
         return _outcome(reply)
 
 

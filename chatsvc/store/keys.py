@@ -1,6 +1,6 @@
 """Every Redis key chatsvc uses, under one prefix.
 
-Layout (``p`` = prefix, schema version 4):
+Layout (``p`` = prefix, schema version 5):
 
     p:schema_version                 string  newest applied migration number
     p:migration_lock                 string  held while migrations run
@@ -13,9 +13,14 @@ Layout (``p`` = prefix, schema version 4):
     p:prompt:<pid>                   string  SystemPromptRecord
     p:tenant:<tid>:sessions          zset    session ids scored by updated_at (v1: a set)
     p:session:{<sid>}                string  SessionSummary (v2: the whole SessionRecord)
-    p:session:{<sid>}:tokens         string  the token history (msgpack array)
-    p:session:{<sid>}:messages       list    MessageRecord, oldest first
-    p:session:{<sid>}:commits        list    ids of the newest applied turns, newest first
+    p:session:{<sid>}:tokens         string  the active branch's token history (msgpack array)
+    p:session:{<sid>}:nodes          hash    message id -> MessageRecord: the tree, each once
+    p:session:{<sid>}:children       hash    message id (or "root") -> its children's ids,
+                                             comma-separated, oldest first
+    p:session:{<sid>}:path           list    ids of the active branch's messages, root first
+    p:session:{<sid>}:responses      hash    response id -> ResponseRecord
+    p:session:{<sid>}:messages       list    layouts 1-4 only: MessageRecord, oldest first
+    p:session:{<sid>}:commits        list    ids of the newest applied writes, newest first
     p:session:{<sid>}:lock           string  turn-lock token
 
 A session's keys all carry ``{<sid>}``: the braces make it the Redis Cluster
@@ -102,7 +107,20 @@ class Keys:
         return f"{self.prefix}:session:{{{session_id}}}:commits"
 
     def session_messages(self, session_id: str) -> str:
+        """Layouts 1-4 kept a session's messages here (migration 0005 moves them)."""
         return f"{self.prefix}:session:{{{session_id}}}:messages"
+
+    def session_nodes(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:nodes"
+
+    def session_children(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:children"
+
+    def session_path(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:path"
+
+    def session_responses(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{{{session_id}}}:responses"
 
     def session_lock(self, session_id: str) -> str:
         return f"{self.prefix}:session:{{{session_id}}}:lock"
@@ -112,10 +130,18 @@ class Keys:
         return [
             self.session(session_id),
             self.session_tokens(session_id),
-            self.session_messages(session_id),
+            self.session_nodes(session_id),
+            self.session_children(session_id),
+            self.session_path(session_id),
+            self.session_responses(session_id),
             self.session_commits(session_id),
         ]
 
     def session_keys(self, session_id: str) -> list[str]:
-        """Every key of a session, the lock included: what delete removes."""
-        return [*self.session_data_keys(session_id), self.session_lock(session_id)]
+        """Every key of a session, the lock included: what delete removes (the legacy
+        message list too, should a session of an older layout be deleted mid-migration)."""
+        return [
+            *self.session_data_keys(session_id),
+            self.session_messages(session_id),
+            self.session_lock(session_id),
+        ]

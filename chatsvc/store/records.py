@@ -14,7 +14,7 @@ import msgspec
 
 # The keyspace layout these records and ``chatsvc.store.keys`` describe. It equals
 # the number of the newest migration; the runner stores it under the version key.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def now() -> float:
@@ -64,13 +64,27 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class MessageRecord(msgspec.Struct, kw_only=True):
-    """One message of a session, with the exact token ids the model saw or produced."""
+    """One message of a session, with the exact token ids the model saw or produced.
+
+    Since layout 5 a session's messages form a tree (``parent_id``; None at the top
+    level) and each is stored once, however many branches pass through it.
+
+    Token ids: the token history of a branch is its messages' ``token_ids`` end to
+    end, except that a message with ``from_start`` holds the whole history up to and
+    including itself (the chat template rendered the conversation again). A message
+    written without a model run (a conversation item) has no token ids: the next
+    turn's tokens cover its text.
+    """
 
     role: str  # "system" | "user" | "assistant"
     text: str
     token_ids: list[int]
     created_at: float = msgspec.field(default_factory=now)
     usage: Usage | None = None
+    # "" until the store assigns one (records of layouts 1-4 had none).
+    id: str = ""
+    parent_id: str | None = None
+    from_start: bool = False
 
 
 class SessionSummary(msgspec.Struct, kw_only=True):
@@ -83,8 +97,14 @@ class SessionSummary(msgspec.Struct, kw_only=True):
     metadata: dict[str, str]
     created_at: float
     updated_at: float
-    num_messages: int = 0
+    num_messages: int = 0  # on the active branch
     num_tokens: int = 0
+    # Layout 5: the last message of the active branch (None: no message yet), the
+    # messages on every branch, a counter every write bumps, and which API made it.
+    active_leaf: str | None = None
+    num_nodes: int = 0
+    version: int = 0
+    kind: str = "session"  # "session" | "conversation" | "response"
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -102,41 +122,71 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     updated_at: float
     num_messages: int = 0
     token_ids: list[int] = msgspec.field(default_factory=list)
+    active_leaf: str | None = None
+    num_nodes: int = 0
+    version: int = 0
+    kind: str = "session"
 
     def summary(self) -> SessionSummary:
         """The record without its token ids (their count stays)."""
         return SessionSummary(
-            id=self.id,
-            tenant_id=self.tenant_id,
-            system_prompt_id=self.system_prompt_id,
-            metadata=self.metadata,
-            created_at=self.created_at,
-            updated_at=self.updated_at,
-            num_messages=self.num_messages,
-            num_tokens=len(self.token_ids),
+            **{f: getattr(self, f) for f in _SHARED_FIELDS}, num_tokens=len(self.token_ids)
         )
 
     @classmethod
     def from_summary(cls, summary: SessionSummary, token_ids: list[int]) -> SessionRecord:
         """The record a summary and its token history make."""
-        return cls(
-            id=summary.id,
-            tenant_id=summary.tenant_id,
-            system_prompt_id=summary.system_prompt_id,
-            metadata=summary.metadata,
-            created_at=summary.created_at,
-            updated_at=summary.updated_at,
-            num_messages=summary.num_messages,
-            token_ids=token_ids,
-        )
+        return cls(**{f: getattr(summary, f) for f in _SHARED_FIELDS}, token_ids=token_ids)
+
+
+# Every field a summary and a record have in common (all but the tokens / their count).
+_SHARED_FIELDS = tuple(f for f in SessionSummary.__struct_fields__ if f != "num_tokens")
+
+
+class ResponseRecord(msgspec.Struct, kw_only=True):
+    """A stored response of the Responses API: one turn of a session, named by its id.
+
+    The messages themselves live in the session's tree (stored once): ``input_ids``
+    are the turn's input messages, ``output_id`` its answer, whose usage the message
+    carries. Everything else is what the response object echoes back.
+    """
+
+    id: str
+    session_id: str
+    created_at: float
+    completed_at: float
+    model: str
+    status: str  # "completed" | "incomplete"
+    incomplete_reason: str | None = None
+    input_ids: list[str]
+    output_id: str
+    instructions: str | None = None
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    previous_response_id: str | None = None
+    conversation_id: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_output_tokens: int | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    user: str | None = None
 
 
 ROLES = frozenset({"system", "user", "assistant"})
+# Which API made a session (all are sessions; conversations and response chains too).
+SESSION_KINDS = frozenset({"session", "conversation", "response"})
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {
     cls: msgspec.msgpack.Decoder(cls)
-    for cls in (TenantRecord, SystemPromptRecord, MessageRecord, SessionRecord, SessionSummary)
+    for cls in (
+        TenantRecord,
+        SystemPromptRecord,
+        MessageRecord,
+        SessionRecord,
+        SessionSummary,
+        ResponseRecord,
+    )
 }
 _tokens_decoder = msgspec.msgpack.Decoder(list[int])
 

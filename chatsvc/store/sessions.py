@@ -1,14 +1,15 @@
 """Sessions and their turns: the half of ``Store`` that a chat turn touches.
 
 Keys per session (all sharing the ``{<sid>}`` hash tag, see keys.py): the
-summary, the token history, the message list, the ids of recently applied
-turns and the turn lock. With an idle TTL, all but the lock expire together;
-every write and every read by the owner pushes the expiry out again. The
-tenant's index (a sorted set by updated_at) does not expire; ids whose session
-has expired are pruned from it lazily, when listing meets them.
+summary, the active branch's token history, the message tree (records, child
+lists, active path), the stored responses, the ids of recently applied writes
+and the turn lock. With an idle TTL, all but the lock expire together; every
+write and every read by the owner pushes the expiry out again. The tenant's
+index (a sorted set by updated_at) does not expire; ids whose session has
+expired are pruned from it lazily, when listing meets them.
 
-Creating a session and committing a turn are Lua scripts (``commit.py``):
-each is fenced, idempotent and atomic.
+Creating a session and every later write are Lua scripts (``commit.py``):
+each is fenced, idempotent and atomic. The writes live in writes.py and branches.py.
 """
 
 from __future__ import annotations
@@ -17,24 +18,24 @@ import contextlib
 import math
 import secrets
 
-import msgspec
 import redis.asyncio as aredis
 import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
-from chatsvc.store.commit import CommitScripts, SessionKeys, fingerprint
+from chatsvc.store.branch_read import Branch, BranchReader, UnknownMessage
+from chatsvc.store.commit import CommitScripts, NewSession, SessionKeys
 from chatsvc.store.connection import is_transport_error, unavailable_on_failure
 from chatsvc.store.errors import (
     NotFoundError,
     StoreError,
     StoreUnavailableError,
-    TurnLockLostError,
 )
 from chatsvc.store.keys import Keys, check_id
 from chatsvc.store.listing import MAX_LIST_LIMIT, decode_cursor, read_page
-from chatsvc.store.lock import RedisLock
 from chatsvc.store.records import (
+    SESSION_KINDS,
     MessageRecord,
+    ResponseRecord,
     SessionRecord,
     SessionSummary,
     SystemPromptRecord,
@@ -45,6 +46,7 @@ from chatsvc.store.records import (
     encode_tokens,
     now,
 )
+from chatsvc.store.tree import ROOT, branch_tokens, chain_children, link_chain
 
 # A conflict means another writer changed the session between our read and our
 # write; with the turn lock held that is rare, so a few retries are plenty.
@@ -65,6 +67,7 @@ class SessionStore:
         self.keys = keys
         self.session_ttl_s = session_ttl_s
         self._scripts = CommitScripts(client)
+        self._reader = BranchReader(client)
 
     def _unavailable(self) -> contextlib.AbstractContextManager[None]:
         return unavailable_on_failure(self.url)
@@ -105,11 +108,32 @@ class SessionStore:
         return SessionKeys(
             summary=self.keys.session(session_id),
             tokens=self.keys.session_tokens(session_id),
-            messages=self.keys.session_messages(session_id),
+            nodes=self.keys.session_nodes(session_id),
+            children=self.keys.session_children(session_id),
+            path=self.keys.session_path(session_id),
+            responses=self.keys.session_responses(session_id),
             commits=self.keys.session_commits(session_id),
             lock=self.keys.session_lock(session_id),
             index=self.keys.tenant_sessions(tenant_id),
         )
+
+    async def _read_branch(
+        self, tenant_id: str, session_id: str, leaf: str | None = None
+    ) -> Branch | None:
+        """The branch ending at ``leaf`` (None: the active one); None if the session is
+        not visible; ``NotFoundError`` if it holds no such message."""
+        k = self.keys
+        keys = (
+            k.session(session_id),
+            k.session_path(session_id),
+            k.session_nodes(session_id),
+            k.session_children(session_id),
+            k.session_tokens(session_id),
+        )
+        try:
+            return await self._reader.read(keys, tenant_id, leaf)
+        except UnknownMessage:
+            raise NotFoundError(f"unknown message {leaf!r}") from None
 
     def _ttl_ms(self) -> int | None:
         return None if self.session_ttl_s is None else max(1, int(self.session_ttl_s * 1000))
@@ -131,6 +155,11 @@ class SessionStore:
         system_text: str | None,
         system_token_ids: list[int] | None,
         metadata: dict[str, str] | None,
+        *,
+        messages: list[MessageRecord] = (),
+        kind: str = "session",
+        response: ResponseRecord | None = None,
+        session_id: str | None = None,
     ) -> SessionRecord:
         """Start a session for ``tenant_id``.
 
@@ -138,10 +167,18 @@ class SessionStore:
         ``system_text`` / ``system_token_ids`` are the system turn as the model
         sees it (the API resolves them from the prompt or inline text); when
         ``system_text`` is given it is stored as the first message, role "system".
-        The session's ``token_ids`` start as ``system_token_ids``. One atomic
-        write; sent again after a lost reply, it creates nothing more.
+        The session's ``token_ids`` start as ``system_token_ids``.
+
+        ``messages`` follow (one branch, in order; a conversation's initial items,
+        or a first response's input and answer, whose ``response`` record is
+        stored with them); their ``token_ids`` continue the history. ``kind`` says
+        which API made the session; ``session_id`` is for callers that named the
+        session before writing it (a response's id carries it). One atomic write;
+        sent again after a lost reply, it creates nothing more.
         """
         check_id("tenant", tenant_id)
+        if kind not in SESSION_KINDS:
+            raise ValueError(f"kind must be one of {sorted(SESSION_KINDS)}, got {kind!r}")
         tokens = (
             []
             if system_token_ids is None
@@ -149,21 +186,41 @@ class SessionStore:
         )
         if system_text is not None:
             v.check_text("system_text", system_text)
+        elif tokens:
+            # The history is its messages' tokens: tokens need the message they belong to.
+            raise ValueError("system_token_ids need a system_text")
         meta = v.check_metadata(metadata)
+        chain = []
+        if system_text is not None:
+            chain.append(MessageRecord(role="system", text=system_text, token_ids=tokens))
+        for i, message in enumerate(messages):
+            v.check_message(f"messages[{i}]", message, message.role)
+            chain.append(message)
+        chain = link_chain(chain, parent_id=None)
+        history = branch_tokens(chain)
         created = now()
         session = SessionRecord(
-            id=secrets.token_hex(16),
+            id=secrets.token_hex(16) if session_id is None else check_id("session", session_id),
             tenant_id=tenant_id,
             system_prompt_id=system_prompt_id,
             metadata=meta,
             created_at=created,
             updated_at=created,
-            num_messages=0 if system_text is None else 1,
-            token_ids=tokens,
+            num_messages=len(chain),
+            token_ids=history,
+            active_leaf=chain[-1].id if chain else None,
+            num_nodes=len(chain),
+            kind=kind,
         )
-        system = None
-        if system_text is not None:
-            system = encode(MessageRecord(role="system", text=system_text, token_ids=tokens))
+        new = NewSession(
+            summary=encode(session.summary()),
+            tokens=encode_tokens(history),
+            node_sets={m.id: encode(m) for m in chain},
+            child_sets=chain_children(chain, parent_key=ROOT, existing=[]),
+            path=[m.id for m in chain],
+        )
+        if response is not None:
+            new.response_sets[response.id] = encode(response)
         with self._unavailable():
             await self._require_tenant(tenant_id)
             if system_prompt_id is not None:
@@ -171,12 +228,10 @@ class SessionStore:
                     raise NotFoundError(f"unknown system prompt {system_prompt_id!r}")
             await self._scripts.create(
                 self._session_keys(tenant_id, session.id),
+                new,
                 session_id=session.id,
-                summary=encode(session.summary()),
-                tokens=encode_tokens(tokens),
                 score=created,
                 ttl_ms=self._ttl_ms(),
-                system_message=system,
             )
         return session
 
@@ -210,19 +265,15 @@ class SessionStore:
         return SessionRecord.from_summary(summary, tokens)
 
     async def get_messages(self, tenant_id: str, session_id: str) -> list[MessageRecord] | None:
-        """Every message of the session, oldest first; None if the session is not visible."""
+        """The messages of the active branch, oldest first; None if the session is not visible."""
         check_id("tenant", tenant_id)
         check_id("session", session_id)
         with self._unavailable():
-            # One MULTI so the record and the list are read at the same instant.
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.get(self.keys.session(session_id))
-                pipe.lrange(self.keys.session_messages(session_id), 0, -1)
-                raw, raw_messages = await pipe.execute()
-            if self._owned(raw, tenant_id) is None:
+            branch = await self._read_branch(tenant_id, session_id)
+            if branch is None:
                 return None
             await self._touch(session_id)
-        return [decode(MessageRecord, m) for m in raw_messages]
+        return branch.messages
 
     async def list_sessions(
         self,
@@ -289,86 +340,6 @@ class SessionStore:
                         conflict = exc
         raise self._gave_up(session_id, "delete", conflict)
 
-    async def append_turn(
-        self,
-        tenant_id: str,
-        session_id: str,
-        user: MessageRecord,
-        assistant: MessageRecord,
-        *,
-        lock: RedisLock,
-        turn_id: str | None = None,
-        token_ids: list[int] | None = None,
-    ) -> SessionRecord:
-        """Append a user and an assistant message in one atomic, fenced, idempotent write.
-
-        ``lock`` is the session's turn lock as ``turn_lock`` yielded it: the
-        write happens only while its token still holds the lock key, checked in
-        the same atomic step, so a turn whose lock expired and was taken by
-        another turn can never interleave with it (``TurnLockLostError``,
-        nothing written). ``turn_id`` names the turn (default: a fresh id per
-        call); a turn already applied under that id is not applied again, which
-        makes a resend after a lost reply harmless.
-
-        The session's ``token_ids`` become ``token_ids`` when given (the full
-        conversation as the model last saw it, e.g. after a template re-render),
-        else the old ones plus the user's and the assistant's token ids.
-        ``updated_at``, ``num_messages``, the index score and the TTL move with
-        them. Returns the updated session; raises ``NotFoundError`` if the
-        session is not visible (deleted, expired, another tenant's).
-        """
-        check_id("tenant", tenant_id)
-        check_id("session", session_id)
-        v.check_message("user", user, "user")
-        v.check_message("assistant", assistant, "assistant")
-        if token_ids is not None:
-            token_ids = v.check_token_ids("token_ids", token_ids)
-        keys = self._session_keys(tenant_id, session_id)
-        if not isinstance(lock, RedisLock) or lock.key != keys.lock:
-            raise ValueError("append_turn needs this session's turn lock, as turn_lock yields it")
-        turn_id = secrets.token_hex(16) if turn_id is None else _check_turn_id(turn_id)
-        messages = (encode(user), encode(assistant))
-        with self._unavailable():
-            for _ in range(MAX_WATCH_RETRIES):
-                # The old history is needed only to extend it; the fingerprint of the
-                # summary covers it, as every write of the tokens rewrites the summary.
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.get(keys.summary)
-                    if token_ids is None:
-                        pipe.get(keys.tokens)
-                    raw, *raw_tokens = await pipe.execute()
-                summary = self._owned(raw, tenant_id)
-                if summary is None:
-                    raise NotFoundError(f"unknown session {session_id!r}")
-                tokens = decode_tokens(raw_tokens[0]) if raw_tokens and raw_tokens[0] else []
-                session = SessionRecord.from_summary(summary, tokens)
-                updated = self._after_turn(session, user, assistant, token_ids)
-                outcome = await self._scripts.append(
-                    keys,
-                    session_id=session_id,
-                    turn_id=turn_id,
-                    lock_token=lock.token,
-                    read_fingerprint=fingerprint(raw),
-                    summary=encode(updated.summary()),
-                    tokens=encode_tokens(updated.token_ids),
-                    score=updated.updated_at,
-                    ttl_ms=self._ttl_ms(),
-                    messages=messages,
-                )
-                if outcome == "ok":
-                    return updated
-                if outcome == "applied":
-                    # Applied by an earlier send; what it wrote is what is stored now.
-                    return await self._read_session(tenant_id, session_id) or updated
-                if outcome == "not_found":
-                    raise NotFoundError(f"unknown session {session_id!r}")
-                if outcome == "lock_lost":
-                    raise TurnLockLostError(
-                        f"the turn lock of session {session_id!r} expired and may have been "
-                        "taken by another turn; this turn was not stored"
-                    )
-        raise StoreError(f"session {session_id!r} kept changing during append; try again")
-
     def _gave_up(self, session_id: str, action: str, conflict: rexc.WatchError) -> StoreError:
         # redis-py turns a connection lost while WATCHing into a WatchError
         # raised from the transport error; that is an outage, not contention.
@@ -379,26 +350,8 @@ class SessionStore:
             )
         return StoreError(f"session {session_id!r} kept changing during {action}; try again")
 
-    @staticmethod
-    def _after_turn(
-        session: SessionRecord,
-        user: MessageRecord,
-        assistant: MessageRecord,
-        token_ids: list[int] | None,
-    ) -> SessionRecord:
-        if token_ids is None:
-            token_ids = [*session.token_ids, *user.token_ids, *assistant.token_ids]
-        # max(): a replica with a clock behind must not move updated_at backwards.
-        updated_at = max(now(), session.updated_at)
-        return msgspec.structs.replace(
-            session,
-            updated_at=updated_at,
-            num_messages=session.num_messages + 2,
-            token_ids=token_ids,
-        )
 
-
-def _check_turn_id(turn_id: object) -> str:
+def check_turn_id(turn_id: object) -> str:
     if not isinstance(turn_id, str) or not 0 < len(turn_id) <= MAX_TURN_ID_CHARS:
         raise ValueError(f"turn_id must be a non-empty str of at most {MAX_TURN_ID_CHARS} chars")
     return turn_id

@@ -3,8 +3,9 @@
 One ``Store`` per process, shared by every request. Ids handed in by callers
 are checked before use; an id that belongs to another tenant behaves exactly
 like an unknown one (None / False / NotFoundError), so ids leak nothing.
-Tenants live in ``tenants.py``, system prompts in ``prompts.py``, sessions and
-turns in ``sessions.py``; this class joins them with the connection and the lock.
+Tenants live in ``tenants.py``, system prompts in ``prompts.py``, sessions in
+``sessions.py``, their writes in ``writes.py`` and ``branches.py``, responses in
+``responses.py``; this class joins them with the connection and the lock.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from chatsvc.store.errors import NotFoundError, SessionBusyError
 from chatsvc.store.keys import Keys
 from chatsvc.store.lock import RedisLock, keep_held
 from chatsvc.store.prompts import PromptStore
+from chatsvc.store.responses import ResponseStore
 from chatsvc.store.schema import apply_pending
 from chatsvc.store.tenants import TenantStore
 
@@ -29,9 +31,11 @@ def hash_api_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-class Store(PromptStore, TenantStore):
-    """Tenants (``TenantStore``), system prompts (``PromptStore``) and sessions and
-    turns (``SessionStore``, their common base) over one connection pool."""
+class Store(ResponseStore, PromptStore, TenantStore):
+    """Tenants (``TenantStore``), system prompts (``PromptStore``), sessions
+    (``SessionStore``, their common base), their writes and branches
+    (``TreeStore``, ``BranchStore``) and stored responses (``ResponseStore``)
+    over one connection pool."""
 
     def __init__(
         self,

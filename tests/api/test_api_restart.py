@@ -7,6 +7,7 @@ Redis with the append-only file fsynced on every write.
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from bench.live_server import ProcessServer
@@ -100,3 +101,49 @@ def test_redis_killed_and_restarted_loses_no_acknowledged_turn(service, redis_ao
         assert _history(http, sid) == history
         _turn(http, sid, "Again")
         assert len(_history(http, sid)) == len(history) + 2
+
+
+def test_response_chains_and_conversations_continue_after_kill_9(service):
+    def sdk() -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{service.url}/v1", api_key=KEY, max_retries=0)
+
+    options = {"max_output_tokens": 6, "temperature": 0}
+    with sdk() as client:
+        model = client.models.list().data[0].id
+        first = client.responses.create(model=model, input="Hello!", **options)
+        second = client.responses.create(
+            model=model, input="And then?", previous_response_id=first.id, **options
+        )
+        conversation = client.conversations.create(
+            items=[{"role": "user", "content": "Remember the number 7."}]
+        )
+        asked = client.responses.create(
+            model=model, conversation=conversation.id, input="Which number?", **options
+        )
+        items = [i.id for i in client.conversations.items.list(conversation.id, order="asc")]
+    session_id = second.id.split("_")[1]
+    with _client(service) as http:
+        tokens = http.get(f"/sessions/{session_id}").json()["num_tokens"]
+
+    service.kill()  # SIGKILL: no shutdown hook runs
+    service.start()
+
+    with sdk() as client:
+        assert client.responses.retrieve(second.id).output_text == second.output_text
+        third = client.responses.create(
+            model=model, input="Go on.", previous_response_id=second.id, **options
+        )
+        # The chain's stored tokens are the third prompt's head: it only grew.
+        assert third.usage.input_tokens > tokens
+        assert [i.content[0].text for i in client.responses.input_items.list(third.id)] == [
+            "Go on."
+        ]
+        listed = client.conversations.items.list(conversation.id, order="asc").data
+        assert [i.id for i in listed] == items and listed[-1].content[0].text == asked.output_text
+        client.responses.create(
+            model=model, conversation=conversation.id, input="Thanks.", **options
+        )
+        assert len(client.conversations.items.list(conversation.id).data) == len(items) + 2
+    with _client(service) as http:
+        messages = http.get(f"/sessions/{session_id}/messages").json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 3

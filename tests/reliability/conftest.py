@@ -102,24 +102,20 @@ def cache_idle_report(admin: httpx.Client) -> dict:
 def session_problems(server: ThreadServer, api_key: str) -> list[str]:
     """Every way a stored session of the key's tenant is half-written; empty when all are whole.
 
-    A whole session holds an optional system message, then user/assistant pairs,
-    and its token history is its messages' token ids end to end. One exception
-    the service makes on purpose: when the chat template does not render the
-    stored history as a prefix (e.g. an answer cut inside a multi-byte
-    character, or text the tokenizer normalizes), the turn re-renders the whole
-    conversation, and that user message's tokens are the entire new prompt.
+    A whole session's active branch is a chain (each message's parent the one
+    before it, ending at the session's active message), its token history is its
+    messages' token ids end to end (a message marked ``from_start`` holds the
+    whole history so far: the turn re-rendered the conversation, e.g. after an
+    answer cut inside a multi-byte character or text the tokenizer normalizes),
+    and a session of the native API holds an optional system message, then
+    user/assistant pairs. (Conversations and responses may hold any sequence of
+    roles their items had.)
     """
 
     def rebuilt_history(messages) -> list[int]:
-        # The token history the messages imply: appended turn by turn, restarted by
-        # a user message whose tokens are the whole re-rendered conversation (it
-        # starts the way the first message does: the template's opening tokens).
         tokens: list[int] = []
-        opening = messages[0].token_ids[:4] if messages else []
         for m in messages:
-            if m.role == "user" and tokens and m.token_ids[: len(opening)] == opening:
-                tokens = []
-            tokens.extend(m.token_ids)
+            tokens = list(m.token_ids) if m.from_start else tokens + list(m.token_ids)
         return tokens
 
     async def scan() -> list[str]:
@@ -138,10 +134,15 @@ def session_problems(server: ThreadServer, api_key: str) -> list[str]:
                 roles = [m.role for m in messages]
                 if roles[:1] == ["system"]:
                     roles = roles[1:]
-                if roles != ["user", "assistant"] * (len(roles) // 2):
+                if session.kind == "session" and roles != ["user", "assistant"] * (len(roles) // 2):
                     problems.append(f"{session.id}: roles {roles}")
                 if session.num_messages != len(messages):
                     problems.append(f"{session.id}: num_messages {session.num_messages}")
+                parents = [None, *(m.id for m in messages)][: len(messages)]
+                if [m.parent_id for m in messages] != parents:
+                    problems.append(f"{session.id}: the active branch is not a chain")
+                if session.active_leaf != (messages[-1].id if messages else None):
+                    problems.append(f"{session.id}: active message {session.active_leaf}")
                 rebuilt = rebuilt_history(messages)
                 if rebuilt != session.token_ids:
                     at = next(

@@ -15,22 +15,27 @@ from schemathesis import GenerationMode
 
 
 def operation_strategies(
-    schema, session_id: str, model: str
+    schema, session_id: str, model: str, conversation_id: str | None = None
 ) -> Iterator[tuple[str, object, object]]:
     """(label, operation, strategy) for every operation and mode, plus the session
-    operations aimed at ``session_id`` and the generation and tokenizer operations
-    naming the served model."""
+    operations aimed at ``session_id``, the conversation operations aimed at
+    ``conversation_id`` (a session made by the Conversations API) and the requests
+    that name a model naming the served one."""
+    live = {"session_id": session_id, "conversation_id": conversation_id}
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             strategy = operation.as_strategy(generation_mode=mode)
             yield f"{operation.label} {mode.value}", operation, strategy
             # Deleting the live session would turn every later aimed request into a 404.
-            if "{session_id}" in operation.path and operation.method.upper() != "DELETE":
-                aimed = operation.as_strategy(
-                    generation_mode=mode, path_parameters={"session_id": session_id}
-                )
-                yield f"{operation.label} {mode.value} live-session", operation, aimed
+            for name, value in live.items():
+                if value is None or "{" + name + "}" not in operation.path:
+                    continue
+                if operation.method.upper() == "DELETE":
+                    continue
+                aimed = operation.as_strategy(generation_mode=mode, path_parameters={name: value})
+                label = f"{operation.label} {mode.value} live-{name.removesuffix('_id')}"
+                yield label, operation, aimed
             if operation.path in _NAMES_A_MODEL and mode is GenerationMode.POSITIVE:
                 yield (
                     f"{operation.label} served-model",
@@ -40,7 +45,9 @@ def operation_strategies(
 
 
 # Operations whose body names the model: a random name only reaches their 404.
-_NAMES_A_MODEL = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"})
+_NAMES_A_MODEL = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"}
+)
 
 
 def _with_model(case, model: str):

@@ -78,6 +78,7 @@ def test_schema_fuzz(fuzz_server):
     schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/schema/openapi.json")
     with client(fuzz_server, FUZZ_KEY) as http:
         live_session = new_session(http)["id"]
+        live_conversation = http.post("/v1/conversations", json={}).json()["id"]
         model = http.get("/v1/models").json()["data"][0]["id"]
     counts: dict[str, int] = {}
     statuses: dict[int, int] = {}
@@ -86,7 +87,8 @@ def test_schema_fuzz(fuzz_server):
     checks = [not_a_server_error, content_type_conformance, response_schema_conformance]
 
     with requests.Session() as session:
-        for label, operation, strategy in operation_strategies(schema, live_session, model):
+        operations = operation_strategies(schema, live_session, model, live_conversation)
+        for label, operation, strategy in operations:
             headers = {"Authorization": f"Bearer {_key_for(operation.path)}"}
 
             def call(case, label=label, headers=headers) -> None:

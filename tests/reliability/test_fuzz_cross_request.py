@@ -135,8 +135,19 @@ def _hostile_text():
     )
 
 
+def _response_body(model: str, messages, sampling: dict, instructions, stream: bool) -> dict:
+    body = {"model": model, "input": messages, "stream": stream}
+    body |= {k: v for k, v in sampling.items() if k in ("temperature", "top_p")}
+    if "max_tokens" in sampling:
+        body["max_output_tokens"] = sampling["max_tokens"]
+    if instructions is not None:
+        body["instructions"] = instructions
+    return body
+
+
 def _hostile_requests(model: str, session_id: str):
-    """(method, path, json) of chat completions and session turns with edge-case values."""
+    """(method, path, json) of chat completions, responses and session turns with
+    edge-case values."""
     messages = st.lists(
         st.fixed_dictionaries(
             {"role": st.sampled_from(["system", "developer", "user"]), "content": _hostile_text()}
@@ -153,7 +164,10 @@ def _hostile_requests(model: str, session_id: str):
     turn = st.tuples(_hostile_text(), _sampling_values(), st.booleans()).map(
         lambda t: (f"/sessions/{session_id}/messages", {"content": t[0], **t[1], "stream": t[2]})
     )
-    return st.one_of(chat, turn)
+    response = st.tuples(
+        messages, _sampling_values(), st.one_of(st.none(), _hostile_text()), st.booleans()
+    ).map(lambda t: ("/v1/responses", _response_body(model, *t)))
+    return st.one_of(chat, turn, response)
 
 
 def test_hostile_requests_leave_another_tenants_conversation_unchanged(witness_server):

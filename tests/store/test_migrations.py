@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 import chatsvc.store.schema as runner
@@ -19,9 +20,14 @@ from chatsvc.store.records import (
     encode_tokens,
 )
 from chatsvc.store.schema import Migration, migrate
-from migrations import m0002_session_index_zset, m0004_session_tokens_key
+from migrations import m0002_session_index_zset, m0004_session_tokens_key, m0005_message_tree
 
 pytestmark = pytest.mark.anyio
+
+
+def _before_layout_5(record):
+    """``record`` without what migration 0005 adds (its active message, its tree size)."""
+    return msgspec.structs.replace(record, active_leaf=None, num_nodes=0)
 
 
 def test_schema_version_names_the_newest_migration():
@@ -37,6 +43,7 @@ async def test_fresh_keyspace_gets_every_migration_once(redis_server, prefix, ra
         "0002_session_index_zset",
         "0003_tenant_names_and_operator_prompts",
         "0004_session_tokens_key",
+        "0005_message_tree",
     ]
     assert await migrate(redis_server.url, prefix) == labels
     assert await migrate(redis_server.url, prefix) == []
@@ -83,7 +90,9 @@ async def test_layout_1_data_is_upgraded_and_readable_through_the_store(redis_se
         listed, cursor = await store.list_sessions(tenant.id)
         assert [s.id for s in listed] == ["s0", "s2", "s1"] and cursor is None
         assert await raw.zscore(keys.tenant_sessions(tenant.id), "gone") is None
-        assert await store.get_session(tenant.id, "s1") == sessions[1]
+        stored = await store.get_session(tenant.id, "s1")
+        assert _before_layout_5(stored) == sessions[1]
+        assert stored.num_nodes == 1 and stored.active_leaf.startswith("msg_")
         messages = await store.get_messages(tenant.id, "s2")
         assert [m.text for m in messages] == ["sys 2"]
     finally:
@@ -164,13 +173,11 @@ async def test_layout_2_token_histories_move_to_their_own_key(redis_server, pref
         assert await raw.get(keys.schema_version()) == str(SCHEMA_VERSION).encode()
         for session in sessions:
             summary = decode(SessionSummary, await raw.get(keys.session(session.id)))
-            assert summary == session.summary()
-            # Byte for byte what the store writes for that summary and that history.
-            assert await raw.get(keys.session(session.id)) == encode(session.summary())
+            assert _before_layout_5(summary) == session.summary()
             tokens = await raw.get(keys.session_tokens(session.id))
             assert tokens == encode_tokens(session.token_ids)
             assert b"token_ids" not in await raw.get(keys.session(session.id))
-            assert await store.get_session(tenant.id, session.id) == session
+            assert _before_layout_5(await store.get_session(tenant.id, session.id)) == session
         assert 0 < await raw.pttl(keys.session_tokens(sessions[1].id)) <= 600_000
         assert 0 < await raw.pttl(keys.session(sessions[1].id)) <= 600_000
         assert await raw.pttl(keys.session_tokens(sessions[0].id)) == -1
@@ -196,3 +203,97 @@ async def test_token_history_migration_is_idempotent(redis_server, prefix, raw):
     assert again == once
     tokens = await raw.get(keys.session_tokens(sessions[2].id))
     assert decode_tokens(tokens) == sessions[2].token_ids
+
+
+async def _write_layout_4(raw, keys: Keys) -> tuple[TenantRecord, list[list[MessageRecord]]]:
+    """Data as chatsvc wrote it at schema version 4: one message list per session, the
+    token history in its own key. Session v4s1's second user message was rendered
+    again from the start (its ids are the whole prompt), as ChatFormat.extend does
+    when the template does not extend the stored history."""
+    tenant = TenantRecord(id="t4", name="old4", cache_salt=b"s" * 32, created_at=1.0)
+    await raw.set(keys.tenant(tenant.id), encode(tenant))
+    sys = MessageRecord(role="system", text="sys", token_ids=[1, 2], created_at=1.0)
+    u1 = MessageRecord(role="user", text="u1", token_ids=[3], created_at=2.0)
+    a1 = MessageRecord(role="assistant", text="a1", token_ids=[4, 5], created_at=3.0)
+    u2 = MessageRecord(role="user", text="u2", token_ids=[1, 2, 3, 4, 9, 6], created_at=4.0)
+    a2 = MessageRecord(role="assistant", text="a2", token_ids=[7], created_at=5.0)
+    conversations = [[sys, u1, a1], [sys, u1, a1, u2, a2], []]
+    histories = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 6, 7], []]
+    for n, (messages, history) in enumerate(zip(conversations, histories, strict=True)):
+        sid = f"v4s{n}"
+        summary = SessionSummary(
+            id=sid,
+            tenant_id=tenant.id,
+            system_prompt_id=None,
+            metadata={},
+            created_at=1.0,
+            updated_at=10.0 + n,
+            num_messages=len(messages),
+            num_tokens=len(history),
+        )
+        await raw.set(keys.session(sid), encode(summary))
+        await raw.set(keys.session_tokens(sid), encode_tokens(history))
+        for message in messages:
+            await raw.rpush(keys.session_messages(sid), encode(message))
+        await raw.zadd(keys.tenant_sessions(tenant.id), {sid: summary.updated_at})
+    await raw.pexpire(keys.session("v4s1"), 600_000)
+    await raw.set(keys.schema_version(), 4)
+    return tenant, conversations
+
+
+async def test_layout_4_message_lists_become_trees(redis_server, prefix, raw):
+    keys = Keys(prefix)
+    tenant, conversations = await _write_layout_4(raw, keys)
+
+    store = await Store.connect(redis_server.url, prefix=prefix)
+    try:
+        assert await raw.get(keys.schema_version()) == b"5"
+        for n, old in enumerate(conversations):
+            sid = f"v4s{n}"
+            assert await raw.exists(keys.session_messages(sid)) == 0
+            messages = await store.get_messages(tenant.id, sid)
+            assert [(m.role, m.text, m.token_ids) for m in messages] == [
+                (m.role, m.text, m.token_ids) for m in old
+            ]
+            assert all(m.id.startswith("msg_") for m in messages)
+            parents = [None, *(m.id for m in messages)][: len(messages)]
+            assert [m.parent_id for m in messages] == parents
+            session = await store.get_session(tenant.id, sid)
+            assert session.active_leaf == (messages[-1].id if messages else None)
+            assert session.num_nodes == session.num_messages == len(old)
+        restarted = await store.get_messages(tenant.id, "v4s1")
+        assert [m.from_start for m in restarted] == [False, False, False, True, False]
+        branch = await store.get_branch(tenant.id, "v4s1")
+        assert branch.tokens() == [1, 2, 3, 4, 9, 6, 7]
+        assert 0 < await raw.pttl(keys.session_nodes("v4s1")) <= 600_000
+
+        # The old conversation goes on in the new layout: a regenerated answer to u1
+        # continues exactly u1's tokens and becomes a sibling of a1.
+        u1 = restarted[1]
+        async with store.turn_lock(tenant.id, "v4s1") as lock:
+            answer = MessageRecord(role="assistant", text="a1'", token_ids=[8])
+            await store.commit_turn(
+                tenant.id,
+                "v4s1",
+                parent_id=u1.id,
+                inputs=[],
+                output=answer,
+                prompt_token_ids=[1, 2, 3],
+                lock=lock,
+            )
+        branch = await store.get_branch(tenant.id, "v4s1")
+        assert [m.text for m in branch.messages] == ["sys", "u1", "a1'"]
+        assert branch.siblings[2] == [restarted[2].id, branch.messages[2].id]
+        assert (await store.get_session(tenant.id, "v4s1")).token_ids == [1, 2, 3, 8]
+    finally:
+        await store.close()
+
+
+async def test_message_tree_migration_is_idempotent(redis_server, prefix, raw):
+    keys = Keys(prefix)
+    await _write_layout_4(raw, keys)
+    await m0005_message_tree.up(raw, keys)
+    once = {k: await raw.dump(k) async for k in raw.scan_iter(match=f"{prefix}:session:*")}
+    await m0005_message_tree.up(raw, keys)
+    again = {k: await raw.dump(k) async for k in raw.scan_iter(match=f"{prefix}:session:*")}
+    assert again == once

@@ -136,7 +136,7 @@ async def test_idle_ttl_expires_sessions_and_listing_prunes_them(redis_server, p
         tenant = await new_tenant(store)
         idle = await store.create_session(tenant.id, None, "sys", [1], {})
         active = await store.create_session(tenant.id, None, "sys", [1], {})
-        for key in (f"{prefix}:session:{{{idle.id}}}", f"{prefix}:session:{{{idle.id}}}:messages"):
+        for key in (f"{prefix}:session:{{{idle.id}}}", f"{prefix}:session:{{{idle.id}}}:nodes"):
             assert 0 < await raw.pttl(key) <= 1000
 
         # Keep one session in use (a turn every 0.25 s, well inside its 1 s TTL)
@@ -145,7 +145,7 @@ async def test_idle_ttl_expires_sessions_and_listing_prunes_them(redis_server, p
             await asyncio.sleep(0.25)
             await append(store, tenant.id, active.id, *turn(n))
         assert await store.get_session(tenant.id, idle.id) is None
-        assert await raw.exists(f"{prefix}:session:{{{idle.id}}}:messages") == 0
+        assert await raw.exists(f"{prefix}:session:{{{idle.id}}}:nodes") == 0
 
         page, cursor = await store.list_sessions(tenant.id)
         assert [s.id for s in page] == [active.id] and cursor is None

@@ -8,7 +8,7 @@ import redis
 
 from chatsvc.store import SessionBusyError, Store
 from chatsvc.store.records import MessageRecord, SessionSummary, decode, encode
-from chatsvc.store.sessions import SessionStore
+from chatsvc.store.writes import TreeStore
 from tests.store.helpers import append, new_tenant, turn
 
 pytestmark = pytest.mark.anyio
@@ -121,16 +121,16 @@ async def test_turn_lock_of_a_dead_holder_expires_and_is_extended_while_held(red
 
 def _interfere_before_commit(monkeypatch, action, times: int) -> list[int]:
     """Run ``action`` (blocking) inside append_turn, after its read and before its write."""
-    original = SessionStore._after_turn
+    original = TreeStore._plan_chain
     calls = []
 
-    def after_turn(session, user, assistant, token_ids):
+    def plan_chain(self, *args, **kwargs):
         calls.append(1)
         if len(calls) <= times:
             action()
-        return original(session, user, assistant, token_ids)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(SessionStore, "_after_turn", staticmethod(after_turn))
+    monkeypatch.setattr(TreeStore, "_plan_chain", plan_chain)
     return calls
 
 

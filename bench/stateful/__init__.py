@@ -1,0 +1,1 @@
+"""Benchmarks of the stateful OpenAI APIs (Responses) against resending history."""
