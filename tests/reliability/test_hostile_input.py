@@ -10,10 +10,10 @@ import threading
 import pytest
 
 from chatsvc.config import Limits
+from tests.live_service import MAX_MODEL_LEN
 from tests.reliability.conftest import (
     ACME_KEY,
     GLOBEX_KEY,
-    MAX_MODEL_LEN,
     RELIABILITY_LIMITS,
     client,
     keyspace,
