@@ -413,3 +413,18 @@ def test_forgetting_a_session_aborts_its_running_turn_and_deletes_that_turn_too(
         assert block_files(tmp_path) == []
         assert engine.cache_stats()["indexed_blocks"] == 0
         engine.check_integrity()
+
+
+def test_an_idle_engine_still_applies_the_writes_its_last_step_queued(smollm2_fp32, tmp_path):
+    """A request that ends in its prefill step queues its blocks' writes in that very
+    step. Only the engine thread applies a finished write (index entry, buffer back),
+    so the engine keeps stepping until it has, instead of idling with writes that
+    never finish (a benchmark waiting for them hung there)."""
+    with engine_on(smollm2_fp32, config(tmp_path)) as engine:
+        tokens = turn_prompt(engine, [], 0)
+        run(engine, [request("only-prefill", tokens, max_tokens=1)])
+        disk = engine.cache_stats()["disk"]
+        assert disk["writing"] == 0 and disk["queued_jobs"] == 0
+        full_blocks = len(tokens) // 16
+        assert full_blocks >= 2
+        assert disk["stored_blocks"] == full_blocks == len(block_files(tmp_path))

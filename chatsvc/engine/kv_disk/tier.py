@@ -119,6 +119,9 @@ class DiskTier:
         self._staging = BufferPool(1, block_nbytes, pin=True).take() if self.cuda else None
         self._copy_stream = torch.cuda.Stream(kv_pool.device) if self.cuda else None
         self._loading: dict[object, _Loading] = {}
+        # Writes queued whose results the engine thread has not applied yet: until it
+        # has, their blocks are not in the index and their buffers not free again.
+        self._writes_out = 0
         self._unsubmitted: list = []
         self._paused_until: float | None = None
         self._next_budget_check = 0.0
@@ -153,8 +156,9 @@ class DiskTier:
 
     @property
     def has_work(self) -> bool:
-        """Loads in flight or not yet started: the engine must keep stepping."""
-        return bool(self._loading)
+        """Loads in flight or not yet started, or writes not yet applied: the engine must
+        keep stepping (an idle engine would otherwise never collect them)."""
+        return bool(self._loading) or self._writes_out > 0
 
     def before_step(self, scheduler) -> None:
         """Apply finished jobs: writes join the index, finished loads release sequences."""
@@ -219,8 +223,8 @@ class DiskTier:
             self._finish_loading(state, scheduler)
         self._unsubmitted.clear()
         self.store_blocks(self.cache.take_stores())
-        if not out.scheduled and self._loading:
-            # Nothing to compute until a load lands: sleep on it, not spin.
+        if not out.scheduled and self.has_work:
+            # Nothing to compute until a load lands or a write ends: sleep on it, not spin.
             self.worker.wait(IDLE_WAIT_S)
 
     def store_blocks(self, stores: list[BlockStore] | tuple[BlockStore, ...]) -> None:
@@ -264,11 +268,13 @@ class DiskTier:
                 ready,
                 self.settings.fsync,
             )
+            self._writes_out += 1
             self.worker.submit(job)
 
     # -- results ------------------------------------------------------------------
 
     def _write_done(self, job: WriteJob) -> None:
+        self._writes_out -= 1
         ok = job.error is None
         self.index.finish_write(job.meta.hash, self.clock(), ok)
         if ok:
