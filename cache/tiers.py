@@ -222,7 +222,11 @@ class TieredBlocks:
             if victim is None:
                 return None
             self.plan_store(plan, victim)
+            host_block = victim.block_id
             self._drop_host_node(victim)
+            # A victim this very plan moved to the host holds nothing there yet: its
+            # swap-out would only copy into the block handed out next, a second time.
+            plan.swap_out[:] = [pair for pair in plan.swap_out if pair[1] != host_block]
             self.stats.evictions_dropped += 1
         return self.host.allocate()
 

@@ -172,9 +172,10 @@ def test_host_tier_drops_go_to_disk_too():
     mgr.free("s1")
     plan = mgr.allocate("s2", list(range(100, 108)), TENANT).plan
     # Two evictions into a one-block host tier: device 2 -> host 0, then host 0's node
-    # is dropped to make room for device 1 -> host 0. The dropped node is stored, and
-    # since stores run before the swaps, from device 2, where its data still is then.
-    assert plan.swap_out == ((2, 0), (1, 0))
+    # is dropped to make room for device 1 -> host 0, so its own swap-out goes (never
+    # two copies into one block). The dropped node is stored, and since stores run
+    # before the swaps, from device 2, where its data still is then.
+    assert plan.swap_out == ((1, 0),)
     hashes = chain_hashes(list(range(12)))
     assert [(s.location, s.block_id, s.hash) for s in plan.stores] == [("device", 2, hashes[2])]
     persist(mgr, disk, plan.stores)

@@ -211,6 +211,22 @@ def test_host_full_drops_least_recently_used_host_leaf():
     assert result.num_cached_tokens == 4 and len(result.plan.swap_in) == 1
 
 
+def test_a_block_moved_to_a_full_host_and_dropped_in_the_same_plan_is_not_copied():
+    mgr = make(3, host=1)
+    run_prompt(mgr, "s", [1, 1, 1, 1, 2, 2, 2, 2, 0])
+    dev0, dev1, _ = mgr.block_table("s")
+    mgr.free("s")
+    # Two evictions in one plan with one host block: dev1 goes to the host, then dev0
+    # needs it, and the host's LRU leaf is the block this plan just moved there.
+    result = mgr.allocate("t", [9] * 12, TENANT_A)
+    destinations = [host for _, host in result.plan.swap_out]
+    assert len(destinations) == len(set(destinations))  # the copy kernel refuses repeats
+    assert result.plan.swap_out == ((dev0, 0),)
+    mgr.free("t")
+    again = mgr.allocate("u", [1, 1, 1, 1, 5], TENANT_A)
+    assert again.num_cached_tokens == 4 and again.plan.swap_in == ((0, mgr.block_table("u")[0]),)
+
+
 def test_rehome_host_node_onto_identical_computed_block():
     mgr = make(2, host=1)
     run_prompt(mgr, "a", [1, 1, 1, 1, 0])
