@@ -223,6 +223,9 @@ def test_every_doc_curl_command_works_on_a_local_server(local, http, command):
         "J": "Content-Type: application/json",
         "SID": http.post("/sessions", json={}).json()["id"],
     }
+    if '"regenerate"' in command:  # regenerating needs an answer to replace
+        turn = {"content": "Hi", "max_tokens": 2, "temperature": 0}
+        assert http.post(f"/sessions/{env['SID']}/messages", json=turn).status_code == 200
     if "/admin/system-prompts" in command:  # the operator's routes act on shared prompts
         body = {"name": "doc", "text": "You are a shared doc."}
         prompt = http.post("/admin/system-prompts", json=body).json()

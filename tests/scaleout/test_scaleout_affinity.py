@@ -116,7 +116,8 @@ def test_every_metric_carries_the_replica_label():
     recomputed = "chatsvc_history_recomputed_tokens_total"
     assert values[(recomputed, (("cause", "affinity_miss"), ("replica", "r7")))] == 64
     assert values[(recomputed, (("cause", "evicted"), ("replica", "r7")))] == 16
-    assert values[("chatsvc_prefix_cache_hits_tokens_total", r)] == 4
+    hits = (("replica", "r7"), ("tier", "device"))  # an observation's hits count as device's
+    assert values[("chatsvc_prefix_cache_hits_tokens_total", hits)] == 4
 
 
 def test_the_replica_id_comes_from_the_settings_or_the_host_and_port():
