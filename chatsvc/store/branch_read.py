@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import redis.asyncio as aredis
 
 from chatsvc.store.records import MessageRecord, SessionSummary, decode, decode_tokens
+from chatsvc.store.sentinel import declare_read_only
 from chatsvc.store.tree import ROOT, branch_tokens, split_children
 
 # KEYS: summary, path, nodes, children, tokens. ARGV: the last message's id ('' = the
@@ -135,7 +136,7 @@ class BranchReader:
     """The read script, registered on one client."""
 
     def __init__(self, client: aredis.Redis) -> None:
-        self._read = client.register_script(_READ)
+        self._read = client.register_script(declare_read_only(_READ))
 
     async def read(
         self, keys: tuple[str, str, str, str, str], tenant_id: str, leaf: str | None

@@ -26,6 +26,7 @@ loss window above).
 
 from __future__ import annotations
 
+import hashlib
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,8 +221,26 @@ class ReplicatedPipeline(Pipeline):
 
 
 # A Lua script is one atomic step that may write (the store's commits, session
-# creates and lock releases are scripts), so it is confirmed like a transaction.
+# creates and lock releases are scripts), so it is confirmed like a transaction,
+# unless the store declared it a read (``declare_read_only``).
 SCRIPT_COMMANDS = frozenset({"EVAL", "EVALSHA"})
+_READ_ONLY_SHAS: set[str] = set()
+
+
+def declare_read_only(script: str) -> str:
+    """Mark a Lua script that writes nothing: its calls skip the WAIT (a read of a
+    branch must go on while no replica is attached). Returns the script unchanged."""
+    _READ_ONLY_SHAS.add(hashlib.sha1(script.encode()).hexdigest())
+    return script
+
+
+def _is_read_only_script(command_name: str, args: tuple) -> bool:
+    # ``args`` as redis-py sends them: the command's name, then the script or its sha.
+    if len(args) < 2:
+        return False
+    first = args[1].decode() if isinstance(args[1], bytes) else str(args[1])
+    sha = first if command_name == "EVALSHA" else hashlib.sha1(first.encode()).hexdigest()
+    return sha.lower() in _READ_ONLY_SHAS
 
 
 class SentinelRedis(aredis.Redis):
@@ -237,7 +256,8 @@ class SentinelRedis(aredis.Redis):
         # WAIT must follow on that same connection. A script error (NOSCRIPT
         # included) raises before the wait, as a failed script applied nothing.
         reply = await super()._send_command_parse_response(conn, command_name, *args, **options)
-        if self.wait_replicas and str(command_name).upper() in SCRIPT_COMMANDS:
+        name = str(command_name).upper()
+        if self.wait_replicas and name in SCRIPT_COMMANDS and not _is_read_only_script(name, args):
             await confirm_replicated(conn, self.wait_replicas, self.wait_timeout_ms)
         return reply
 

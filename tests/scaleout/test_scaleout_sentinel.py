@@ -126,7 +126,7 @@ def test_an_acknowledged_write_is_already_on_the_replica(topology):
                 # No wait on our side: WAIT made the primary answer only once the
                 # replica held the transaction.
                 with topology.replica().client() as replica:
-                    stored = replica.llen(store.keys.session_messages(session.id))
+                    stored = replica.hlen(store.keys.session_nodes(session.id))
                 assert stored == 1 + 2 * (i + 1)
         finally:
             await store.close()
