@@ -58,6 +58,8 @@ from chatsvc.protocol import (
 from kernels import native
 
 log = logging.getLogger(__name__)
+# How long an idle engine thread waits on the disk tier before it looks for commands.
+IO_POLL_S = 0.05
 
 
 class AsyncEngine:
@@ -293,6 +295,11 @@ class AsyncEngine:
         while not self._stopping:
             self._apply_commands(engine)
             if not engine.has_unfinished_requests:
+                if engine.has_unapplied_io:
+                    # Idle, with disk writes still out: take them in as they end (a new
+                    # command waits at most this long) rather than at the next request.
+                    engine.apply_io(IO_POLL_S)
+                    continue
                 self._wake.wait()
                 self._wake.clear()
                 continue

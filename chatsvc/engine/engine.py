@@ -195,6 +195,17 @@ class LLMEngine:
         return bool(self._requests) or (self.disk_tier is not None and self.disk_tier.has_work)
 
     @property
+    def has_unapplied_io(self) -> bool:
+        """Disk writes whose results only this thread can take in (index entry, buffer
+        back): an idle engine must still collect them (``apply_io``)."""
+        return self.disk_tier is not None and self.disk_tier.has_unapplied_writes
+
+    def apply_io(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for a disk job to end, then take in every ended one."""
+        self.disk_tier.worker.wait(wait_s)
+        self.disk_tier.before_step(self.scheduler)
+
+    @property
     def num_requests(self) -> int:
         return len(self._requests)
 

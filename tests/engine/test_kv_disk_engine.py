@@ -7,11 +7,13 @@ model with the prefix cache off.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import torch
 from cache import Namespace
 from cache.forget import owner_digest
 from cache.hashing import ROOT_HASH, BlockHasher
+from chatsvc.engine.async_engine import AsyncEngine
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.kv_disk import jobs as kv_jobs
@@ -415,16 +418,27 @@ def test_forgetting_a_session_aborts_its_running_turn_and_deletes_that_turn_too(
         engine.check_integrity()
 
 
-def test_an_idle_engine_still_applies_the_writes_its_last_step_queued(smollm2_fp32, tmp_path):
+def test_an_idle_engine_still_takes_in_the_writes_its_last_step_queued(smollm2_fp32, tmp_path):
     """A request that ends in its prefill step queues its blocks' writes in that very
-    step. Only the engine thread applies a finished write (index entry, buffer back),
-    so the engine keeps stepping until it has, instead of idling with writes that
-    never finish (a benchmark waiting for them hung there)."""
-    with engine_on(smollm2_fp32, config(tmp_path)) as engine:
-        tokens = turn_prompt(engine, [], 0)
-        run(engine, [request("only-prefill", tokens, max_tokens=1)])
-        disk = engine.cache_stats()["disk"]
-        assert disk["writing"] == 0 and disk["queued_jobs"] == 0
-        full_blocks = len(tokens) // 16
-        assert full_blocks >= 2
-        assert disk["stored_blocks"] == full_blocks == len(block_files(tmp_path))
+    step. Only the engine thread takes a finished write in (index entry, buffer
+    back), so the idle thread collects them as they end instead of sleeping until
+    the next request (a benchmark waiting for them hung there)."""
+
+    async def scenario():
+        engine = AsyncEngine(config(tmp_path), loaded=smollm2_fp32)
+        await engine.start()
+        try:
+            tokens = turn_prompt(engine, [], 0)
+            async for _ in engine.generate(request("only-prefill", tokens, max_tokens=1)):
+                pass
+            deadline = time.monotonic() + 60  # a readiness wait: the writes take ms
+            while (disk := engine.cache_stats()["disk"])["writing"]:
+                assert time.monotonic() < deadline, disk
+                await asyncio.sleep(0.05)
+            full_blocks = len(tokens) // 16
+            assert full_blocks >= 2
+            assert disk["stored_blocks"] == full_blocks == len(block_files(tmp_path))
+        finally:
+            await engine.stop()
+
+    asyncio.run(scenario())

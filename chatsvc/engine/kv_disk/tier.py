@@ -156,9 +156,13 @@ class DiskTier:
 
     @property
     def has_work(self) -> bool:
-        """Loads in flight or not yet started, or writes not yet applied: the engine must
-        keep stepping (an idle engine would otherwise never collect them)."""
-        return bool(self._loading) or self._writes_out > 0
+        """Loads in flight or not yet started: the engine must keep stepping."""
+        return bool(self._loading)
+
+    @property
+    def has_unapplied_writes(self) -> bool:
+        """Writes queued whose results this thread has not taken in (``before_step``)."""
+        return self._writes_out > 0
 
     def before_step(self, scheduler) -> None:
         """Apply finished jobs: writes join the index, finished loads release sequences."""
@@ -223,8 +227,8 @@ class DiskTier:
             self._finish_loading(state, scheduler)
         self._unsubmitted.clear()
         self.store_blocks(self.cache.take_stores())
-        if not out.scheduled and self.has_work:
-            # Nothing to compute until a load lands or a write ends: sleep on it, not spin.
+        if not out.scheduled and self._loading:
+            # Nothing to compute until a load lands: sleep on it, not spin.
             self.worker.wait(IDLE_WAIT_S)
 
     def store_blocks(self, stores: list[BlockStore] | tuple[BlockStore, ...]) -> None:
