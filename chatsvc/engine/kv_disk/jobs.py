@@ -69,10 +69,7 @@ class WriteJob:
 
 
 def _write_file(path: Path, parts: list, fsync: bool) -> None:
-    try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-    except FileExistsError:
-        pass
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}.{next(_names)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:

@@ -119,9 +119,6 @@ class DiskTier:
         self._staging = BufferPool(1, block_nbytes, pin=True).take() if self.cuda else None
         self._copy_stream = torch.cuda.Stream(kv_pool.device) if self.cuda else None
         self._loading: dict[object, _Loading] = {}
-        # Writes queued whose results the engine thread has not applied yet: until it
-        # has, their blocks are not in the index and their buffers not free again.
-        self._writes_out = 0
         self._unsubmitted: list = []
         self._paused_until: float | None = None
         self._next_budget_check = 0.0
@@ -161,8 +158,9 @@ class DiskTier:
 
     @property
     def has_unapplied_writes(self) -> bool:
-        """Writes queued whose results this thread has not taken in (``before_step``)."""
-        return self._writes_out > 0
+        """Writes queued whose results this thread has not taken in (``before_step``):
+        until then their blocks count as writing and their buffers are not free."""
+        return bool(self.index.writing)
 
     def before_step(self, scheduler) -> None:
         """Apply finished jobs: writes join the index, finished loads release sequences."""
@@ -272,13 +270,11 @@ class DiskTier:
                 ready,
                 self.settings.fsync,
             )
-            self._writes_out += 1
             self.worker.submit(job)
 
     # -- results ------------------------------------------------------------------
 
     def _write_done(self, job: WriteJob) -> None:
-        self._writes_out -= 1
         ok = job.error is None
         self.index.finish_write(job.meta.hash, self.clock(), ok)
         if ok:
