@@ -5,6 +5,7 @@ See docs/cache.md for the data structures, invariants and namespace rules.
 
 from .block_pool import BlockPool
 from .block_table import BlockTable
+from .chain import BlockChain, ChainBlock
 from .errors import (
     CacheError,
     CacheIntegrityError,
@@ -22,6 +23,7 @@ from .stats import CacheStats
 __all__ = [
     "AllocResult",
     "AppendResult",
+    "BlockChain",
     "BlockHasher",
     "BlockPool",
     "BlockTable",
@@ -29,6 +31,7 @@ __all__ = [
     "CacheIntegrityError",
     "CachePlan",
     "CacheStats",
+    "ChainBlock",
     "DuplicateSequenceError",
     "KVCacheManager",
     "Namespace",

@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import xxhash
 
-from .hashing import ROOT_HASH, BlockHasher
-from .namespace import PUBLIC_KEY, Namespace
+from .chain import BlockChain
+from .namespace import PUBLIC_KEY
 from .prefix_index import DEVICE, PrefixNode
 from .tiers import TieredBlocks
 
@@ -55,16 +55,11 @@ class _Candidate:
 
 
 def forget(
-    tiers: TieredBlocks,
-    block_size: int,
-    token_ids: list[int],
-    namespace: Namespace,
-    owner: bytes,
-    keep_blocks: int = 0,
+    tiers: TieredBlocks, history: BlockChain, owner: bytes, keep_blocks: int = 0
 ) -> ForgetResult:
-    """Remove the chain of ``token_ids`` and ``owner``'s blocks below it (see module doc)."""
+    """Remove the blocks of ``history`` and ``owner``'s blocks below it (see module doc)."""
     disk = tiers.disk
-    chain = _chain(tiers, BlockHasher(block_size), block_size, token_ids, namespace)
+    chain = _cached_blocks(tiers, history)
     candidates = {h: c for h, c in chain.items() if c.depth >= keep_blocks}
     num_kept = len(chain) - len(candidates)
     if owner:
@@ -101,22 +96,24 @@ def owner_digest(tenant_salt: bytes, session_key: str) -> bytes:
     return xxhash.xxh3_64_digest(b"owner\0" + tenant_salt + session_key.encode())
 
 
-def _chain(tiers, hasher, block_size, token_ids, namespace) -> dict[bytes, _Candidate]:
+def _cached_blocks(tiers, history: BlockChain) -> dict[bytes, _Candidate]:
     # The memory index is a tree, so once a block misses there, no later block of
     # the chain can be in memory; the disk tier may still hold later ones.
     index = tiers.index
     disk = tiers.disk
     out: dict[bytes, _Candidate] = {}
-    parent_hash, parent = ROOT_HASH, index.root
-    for i in range(len(token_ids) // block_size):
-        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        key = namespace.key(i, block_size)
-        hash_ = hasher.hash_block(parent_hash, block, key)
-        node = index.lookup(parent, hash_, block, key) if parent is not None else None
+    parent = index.root
+    for block in history.blocks(0, history.num_full_blocks):
+        hash_ = block.hash
+        node = (
+            index.lookup(parent, hash_, block.token_ids, block.ns_key)
+            if parent is not None
+            else None
+        )
         on_disk = disk is not None and disk.is_stored_or_writing(hash_)
         if node is not None or on_disk:
-            out[hash_] = _Candidate(hash_, i, node, key == PUBLIC_KEY)
-        parent_hash, parent = hash_, node
+            out[hash_] = _Candidate(hash_, block.index, node, block.ns_key == PUBLIC_KEY)
+        parent = node
     return out
 
 

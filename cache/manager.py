@@ -15,10 +15,11 @@ exception leaves the cache exactly as it was.
 from __future__ import annotations
 
 from .block_table import BlockTable
+from .chain import BlockChain, checked_tokens
 from .disk_tier import DiskIndex
 from .errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError
 from .forget import ForgetResult, forget
-from .hashing import ROOT_HASH
+from .hashing import BlockHasher
 from .integrity import check_integrity
 from .matching import PrefixMatcher
 from .namespace import PUBLIC_KEY, Namespace
@@ -37,15 +38,10 @@ from .sequence import Sequence
 from .stats import CacheStats, used_token_slots
 from .tiers import TieredBlocks
 
-_MAX_TOKEN_ID = 2**32
-
-
-def _checked_tokens(token_ids) -> list[int]:
-    tokens = list(token_ids)
-    for token in tokens:
-        if type(token) is not int or not 0 <= token < _MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be ints in [0, 2**32), got {token!r}")
-    return tokens
+# What the prompt queries and ``allocate`` take: the token ids with their
+# namespace, or a BlockChain (``chain``) that already carries both and keeps
+# its hashes between calls (the scheduler holds one per waiting sequence).
+Prompt = BlockChain | list[int]
 
 
 class KVCacheManager:
@@ -69,6 +65,7 @@ class KVCacheManager:
         self.enable_prefix_cache = bool(enable_prefix_cache)
         self.debug_checks = bool(debug_checks)
         self.stats = CacheStats()
+        self.hasher = BlockHasher(block_size)
         self.tiers = TieredBlocks(num_blocks, num_host_blocks, self.stats)
         self._matcher = PrefixMatcher(self.tiers, block_size)
         self.pending = PendingBlocks(block_size)
@@ -99,7 +96,15 @@ class KVCacheManager:
         """Whether ``num_blocks`` device blocks can be had (free + evictable)."""
         return num_blocks <= self.tiers.num_available
 
-    def num_blocks_needed(self, token_ids, namespace: Namespace) -> int:
+    def chain(self, token_ids, namespace: Namespace) -> BlockChain:
+        """The prompt's block chain: pass it to the queries below and to ``allocate``
+        in place of the token ids, and its blocks are hashed once for all of them.
+
+        Extend it (``BlockChain.extend``) as the sequence's tokens grow.
+        """
+        return BlockChain(self.hasher, token_ids, namespace)
+
+    def num_blocks_needed(self, token_ids: Prompt, namespace: Namespace) -> int:
         """Device blocks ``allocate`` would take from the free + evictable pool.
 
         That is the blocks after the cached prefix, plus one per matched block
@@ -107,22 +112,19 @@ class KVCacheManager:
         (it stops being evictable), so ``can_allocate(num_blocks_needed(...))``
         is exactly whether ``allocate`` succeeds. Changes nothing.
         """
-        tokens = _checked_tokens(token_ids)
-        self._check_prompt(tokens, namespace)
-        return self._blocks_needed(tokens, self._match(tokens, namespace))
+        chain = self._prompt(token_ids, namespace)
+        return self._blocks_needed(chain, self._match(chain))
 
-    def num_matched_tokens(self, token_ids, namespace: Namespace) -> int:
+    def num_matched_tokens(self, token_ids: Prompt, namespace: Namespace) -> int:
         """Leading prompt tokens ``allocate`` would take from the cache now.
 
         A multiple of block_size, never including the last prompt token (its
         KV must be computed for the logits). Changes nothing, not even LRU order.
         """
-        tokens = _checked_tokens(token_ids)
-        self._check_prompt(tokens, namespace)
-        return len(self._match(tokens, namespace)) * self.block_size
+        return len(self._match(self._prompt(token_ids, namespace))) * self.block_size
 
     def match_prefix(
-        self, token_ids, namespace: Namespace, reuse_prefix: bool = True
+        self, token_ids: Prompt, namespace: Namespace, reuse_prefix: bool = True
     ) -> PrefixMatch:
         """Cached prefix, the pending blocks right after it, and the blocks needed.
 
@@ -132,19 +134,17 @@ class KVCacheManager:
         ``allocate(..., reuse_prefix=False)`` would do (no match, nothing pending).
         Changes nothing.
         """
-        tokens = _checked_tokens(token_ids)
-        self._check_prompt(tokens, namespace)
-        matched = self._match(tokens, namespace) if reuse_prefix else []
+        chain = self._prompt(token_ids, namespace)
+        matched = self._match(chain) if reuse_prefix else []
         num_pending = 0
         if self.enable_prefix_cache and reuse_prefix:
-            parent_hash = matched[-1].hash if matched else ROOT_HASH
-            num_pending = self.pending.extent(tokens, namespace, len(matched), parent_hash)
+            num_pending = self.pending.extent(chain, len(matched))
         bs = self.block_size
-        num_disk = len(self._match_disk(tokens, namespace, matched)) if reuse_prefix else 0
+        num_disk = len(self._match_disk(chain, matched)) if reuse_prefix else 0
         return PrefixMatch(
             len(matched) * bs,
             num_pending * bs,
-            self._blocks_needed(tokens, matched),
+            self._blocks_needed(chain, matched),
             num_disk * bs,
         )
 
@@ -172,7 +172,7 @@ class KVCacheManager:
     def allocate(
         self,
         seq_id,
-        token_ids,
+        token_ids: Prompt,
         namespace: Namespace,
         owner: bytes = b"",
         reuse_prefix: bool = True,
@@ -190,18 +190,21 @@ class KVCacheManager:
         """
         if seq_id in self._seqs:
             raise DuplicateSequenceError(seq_id)
-        tokens = _checked_tokens(token_ids)
-        self._check_prompt(tokens, namespace)
-        matched = self._match(tokens, namespace) if reuse_prefix else []
-        needed = self._blocks_needed(tokens, matched)
+        chain = self._prompt(token_ids, namespace)
+        matched = self._match(chain) if reuse_prefix else []
+        needed = self._blocks_needed(chain, matched)
         if needed > self.tiers.num_available:
             raise OutOfBlocksError(needed, self.tiers.num_available, f"prompt of {seq_id!r}")
-        on_disk = self._match_disk(tokens, namespace, matched) if reuse_prefix else []
+        on_disk = self._match_disk(chain, matched) if reuse_prefix else []
+        if chain is token_ids:  # the caller's chain stays the caller's
+            if self.enable_prefix_cache and chain.num_full_blocks:
+                chain.hash(chain.num_full_blocks - 1)  # so both keep the prompt's hashes
+            chain = chain.copy()
 
         tiers = self.tiers
         tick = tiers.index.advance()
         if reuse_prefix:
-            self._record_lookup(tokens, namespace, matched)
+            self._record_lookup(chain, matched)
         plan = PlanBuilder()
         table = BlockTable()
         host_nodes = [node for node in matched if node.location == HOST]
@@ -216,35 +219,33 @@ class KVCacheManager:
             else:
                 table.append(tiers.swap_in(node, plan, released_host))
                 node.pins -= 1
-        num_total = -(-len(tokens) // self.block_size)
+        num_total = -(-chain.num_tokens // self.block_size)
         for _ in range(num_total - len(matched)):
             table.append(tiers.take_block(plan))
         tiers.release_host_blocks(released_host)
 
         num_cached = len(matched) * self.block_size
         last_node = matched[-1] if matched else tiers.index.root
-        seq = Sequence(seq_id, tokens, table, namespace, num_cached, len(matched), last_node)
+        seq = Sequence(seq_id, chain, table, num_cached, len(matched), last_node)
         seq.owner = owner
         if self.enable_prefix_cache:
-            self.pending.register(seq, last_node.hash, len(matched))
+            self.pending.register(seq, len(matched))
         self._seqs[seq_id] = seq
         loads = ()
         if self.disk is not None:
             now = self._clock()
             self.disk.touch((node.hash for node in matched), now)
-            self.disk.touch((hash_ for hash_, _ in on_disk), now)
-            first = len(matched)
-            bs = self.block_size
+            self.disk.touch((block.hash for block in on_disk), now)
             loads = tuple(
                 DiskLoad(
-                    first + i,
-                    table.block_ids[first + i],
-                    hash_,
-                    parent_hash,
-                    tuple(tokens[(first + i) * bs : (first + i + 1) * bs]),
-                    namespace.key(first + i, bs),
+                    block.index,
+                    table.block_ids[block.index],
+                    block.hash,
+                    block.parent_hash,
+                    block.token_ids,
+                    block.ns_key,
                 )
-                for i, (hash_, parent_hash) in enumerate(on_disk)
+                for block in on_disk
             )
         self._after_mutation()
         seq.num_loading = len(loads)
@@ -320,48 +321,44 @@ class KVCacheManager:
         the first ``keep_tokens`` (what another live session shares). The disk
         blocks returned are already out of the index; the caller deletes their files.
         """
-        tokens = _checked_tokens(token_ids)
-        if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a cache.Namespace, got {type(namespace).__name__}")
+        history = BlockChain(self.hasher, token_ids, namespace)
         keep_blocks = max(0, int(keep_tokens)) // self.block_size
-        result = forget(self.tiers, self.block_size, tokens, namespace, owner, keep_blocks)
+        result = forget(self.tiers, history, owner, keep_blocks)
         self._after_mutation()
         return result
 
-    def _match_disk(self, tokens: list[int], namespace: Namespace, matched: list):
-        """(hash, parent hash) of the blocks the disk tier holds right after ``matched``.
+    def _match_disk(self, chain: BlockChain, matched: list) -> list:
+        """The chain's blocks the disk tier holds right after ``matched``.
 
-        Within ``tokens[:-1]`` like any match; changes nothing.
+        Within the matchable blocks like any match; changes nothing.
         """
         disk = self.disk
         if disk is None or not self.enable_prefix_cache or not len(disk):
             return []
-        bs = self.block_size
-        hash_block = self._matcher.hash_block
-        parent_hash = matched[-1].hash if matched else ROOT_HASH
         found = []
-        for i in range(len(matched), (len(tokens) - 1) // bs):
-            hash_ = hash_block(
-                parent_hash, tuple(tokens[i * bs : (i + 1) * bs]), namespace.key(i, bs)
-            )
-            if not disk.continues(hash_, parent_hash):
+        for block in chain.blocks(len(matched), chain.num_matchable_blocks):
+            if not disk.continues(block.hash, block.parent_hash):
                 break
-            found.append((hash_, parent_hash))
-            parent_hash = hash_
+            found.append(block)
         return found
 
-    def _check_prompt(self, tokens: list[int], namespace: Namespace) -> None:
-        if not tokens:
+    def _prompt(self, token_ids: Prompt, namespace: Namespace) -> BlockChain:
+        if isinstance(token_ids, BlockChain):
+            chain = token_ids
+            if chain.block_size != self.block_size or chain.namespace != namespace:
+                raise ValueError("the prompt's chain has another block size or namespace")
+        else:
+            chain = BlockChain(self.hasher, token_ids, namespace)
+        if not chain.num_tokens:
             raise ValueError("a prompt needs at least one token")
-        if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a cache.Namespace, got {type(namespace).__name__}")
+        return chain
 
-    def _match(self, tokens: list[int], namespace: Namespace) -> list:
-        return self._matcher.match(tokens, namespace) if self.enable_prefix_cache else []
+    def _match(self, chain: BlockChain) -> list:
+        return self._matcher.match(chain) if self.enable_prefix_cache else []
 
-    def _blocks_needed(self, tokens: list[int], matched: list) -> int:
+    def _blocks_needed(self, chain: BlockChain, matched: list) -> int:
         refcounts = self.tiers.device.refcounts
-        num_total = -(-len(tokens) // self.block_size)
+        num_total = -(-chain.num_tokens // self.block_size)
         needed = num_total - len(matched)
         for node in matched:
             if node.location == HOST:
@@ -370,10 +367,11 @@ class KVCacheManager:
                 needed += 1
         return needed
 
-    def _record_lookup(self, tokens: list[int], namespace: Namespace, matched: list) -> None:
+    def _record_lookup(self, chain: BlockChain, matched: list) -> None:
         stats = self.stats
         bs = self.block_size
-        stats.record_query(namespace.label, len(tokens))
+        namespace = chain.namespace
+        stats.record_query(namespace.label, chain.num_tokens)
         for i, node in enumerate(matched):
             stats.record_hit(namespace.stats_label(i, bs), bs, node.num_hits, node.location)
             node.num_hits += 1
@@ -391,7 +389,7 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id)
         if not token_ids:
             raise ValueError("append_slots needs at least one token")
-        token_ids = _checked_tokens(token_ids)
+        token_ids = checked_tokens(token_ids)
         tiers = self.tiers
         bs = self.block_size
         blocks = seq.table.block_ids
@@ -416,13 +414,25 @@ class KVCacheManager:
                 blocks.append(tiers.take_block(builder))
             plan = builder.build()
         seq.token_ids.extend(token_ids)
-        if num_new == 1:
-            slots = [blocks[pos // bs] * bs + offset]
-        else:
-            slots = [blocks[p // bs] * bs + (p & (bs - 1)) for p in range(pos, pos + num_new)]
+        slots = _slots(blocks, bs, pos, num_new)
         if self.debug_checks:
             self.check_integrity()
         return AppendResult(slots, plan)
+
+    def prefill_slots(self, seq_id, num_tokens: int) -> list[int]:
+        """The KV slots of the sequence's next ``num_tokens`` tokens without KV.
+
+        Those tokens already have blocks (``allocate`` maps the whole prompt):
+        the slots of a prefill chunk. Changes nothing.
+        """
+        seq = self._seq(seq_id)
+        start = seq.num_computed
+        if type(num_tokens) is not int or not 0 < num_tokens <= len(seq.token_ids) - start:
+            raise ValueError(
+                f"num_tokens must be an int in [1, {len(seq.token_ids) - start}] "
+                f"for {seq_id!r}, got {num_tokens!r}"
+            )
+        return _slots(seq.table.block_ids, self.block_size, start, num_tokens)
 
     def mark_computed(self, seq_id, num_tokens: int) -> None:
         """Record that the KV of tokens [0, num_tokens) is written.
@@ -517,3 +527,11 @@ class KVCacheManager:
     def _after_mutation(self) -> None:
         if self.debug_checks:
             self.check_integrity()
+
+
+def _slots(blocks: list[int], block_size: int, start: int, count: int) -> list[int]:
+    """The slot (``block * block_size + offset``) of each position ``start, ...``."""
+    if count == 1:
+        return [blocks[start // block_size] * block_size + start % block_size]
+    stop = start + count
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, stop)]

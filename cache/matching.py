@@ -1,13 +1,13 @@
 """Walking a sequence's blocks against the prefix index: match and insert.
 
-Both walks hash block by block from the root (or the sequence's last indexed
-node), so a prompt costs one hash and one dict lookup per block.
+Both walks read the sequence's block chain (``cache.chain``) from the root or
+from its last indexed node: one dict lookup per block, and each block hashed
+once for the whole life of the sequence.
 """
 
 from __future__ import annotations
 
-from .hashing import BlockHasher
-from .namespace import Namespace
+from .chain import BlockChain
 from .prefix_index import HOST, PrefixNode
 from .sequence import Sequence
 from .tiers import TieredBlocks
@@ -19,25 +19,18 @@ class PrefixMatcher:
     def __init__(self, tiers: TieredBlocks, block_size: int) -> None:
         self.tiers = tiers
         self.block_size = block_size
-        self._hasher = BlockHasher(block_size)
-        self.hash_block = self._hasher.hash_block
 
-    def match(self, tokens: list[int], namespace: Namespace) -> list[PrefixNode]:
-        """Verified nodes of the longest cached prefix within ``tokens[:-1]``.
+    def match(self, chain: BlockChain) -> list[PrefixNode]:
+        """Verified nodes of the longest cached prefix within the chain's matchable blocks.
 
-        The last token is left out: its block must be computed to get logits.
+        The last token's block is left out: it must be computed to get logits.
         Changes nothing (not even LRU ticks).
         """
         index = self.tiers.index
-        hash_block = self._hasher.hash_block
-        bs = self.block_size
         node = index.root
         matched = []
-        for i in range((len(tokens) - 1) // bs):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            ns_key = namespace.key(i, bs)
-            hash_ = hash_block(node.hash, block_tokens, ns_key)
-            child = index.lookup(node, hash_, block_tokens, ns_key)
+        for block in chain.blocks(0, chain.num_matchable_blocks):
+            child = index.lookup(node, block.hash, block.token_ids, block.ns_key)
             if child is None:
                 break
             matched.append(child)
@@ -56,21 +49,17 @@ class PrefixMatcher:
         """
         tiers = self.tiers
         index = tiers.index
-        bs = self.block_size
-        tokens = seq.token_ids
         blocks = seq.table.block_ids
         parent = seq.last_node
-        for i in range(seq.num_indexed, num_full):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            ns_key = seq.namespace.key(i, bs)
-            hash_ = self._hasher.hash_block(parent.hash, block_tokens, ns_key)
+        for block in seq.chain.blocks(seq.num_indexed, num_full):
+            i = block.index
             own = blocks[i]
-            node = index.lookup(parent, hash_, block_tokens, ns_key)
+            node = index.lookup(parent, block.hash, block.token_ids, block.ns_key)
             if node is None:
-                if index.is_occupied(hash_):
+                if index.is_occupied(block.hash):
                     seq.index_stopped = True
                     return
-                node = tiers.index_new(parent, hash_, block_tokens, ns_key, own)
+                node = tiers.index_new(parent, block.hash, block.token_ids, block.ns_key, own)
                 node.owner = seq.owner
             elif node.location == HOST:
                 tiers.rehome(node, own)

@@ -23,9 +23,8 @@ or indexed block.
 
 from __future__ import annotations
 
+from .chain import BlockChain
 from .errors import CacheIntegrityError
-from .hashing import BlockHasher
-from .namespace import Namespace
 from .sequence import Sequence
 
 
@@ -47,35 +46,24 @@ class PendingBlocks:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._hasher = BlockHasher(block_size)
         self.entries: dict[bytes, PendingBlock] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def register(self, seq: Sequence, parent_hash: bytes, first_block: int) -> None:
-        """Register the sequence's full prompt blocks from ``first_block`` on.
-
-        ``parent_hash`` is the chained hash of block ``first_block - 1`` (the
-        root hash for block 0).
-        """
-        bs = self.block_size
-        tokens = seq.token_ids
-        namespace = seq.namespace
+    def register(self, seq: Sequence, first_block: int) -> None:
+        """Register the sequence's full prompt blocks from ``first_block`` on."""
         hashes: list[bytes] = []
-        for i in range(first_block, len(tokens) // bs):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            ns_key = namespace.key(i, bs)
-            hash_ = self._hasher.hash_block(parent_hash, block_tokens, ns_key)
-            entry = self.entries.get(hash_)
+        chain = seq.chain
+        for block in chain.blocks(first_block, chain.num_full_blocks):
+            entry = self.entries.get(block.hash)
             if entry is None:
-                entry = PendingBlock(hash_, parent_hash, block_tokens, ns_key)
-                self.entries[hash_] = entry
-            elif entry.token_ids != block_tokens or entry.parent_hash != parent_hash:
+                entry = PendingBlock(block.hash, block.parent_hash, block.token_ids, block.ns_key)
+                self.entries[block.hash] = entry
+            elif entry.token_ids != block.token_ids or entry.parent_hash != block.parent_hash:
                 break  # a hash collision: the rest of this prompt is not announced
             entry.owners += 1
-            hashes.append(hash_)
-            parent_hash = hash_
+            hashes.append(block.hash)
         seq.pending = hashes
         seq.pending_start = first_block
 
@@ -101,32 +89,25 @@ class PendingBlocks:
         if entry.owners == 0:
             del self.entries[hash_]
 
-    def extent(
-        self, tokens: list[int], namespace: Namespace, first_block: int, parent_hash: bytes
-    ) -> int:
-        """Blocks of ``tokens[:-1]`` from ``first_block`` on that are pending, consecutively.
+    def extent(self, chain: BlockChain, first_block: int) -> int:
+        """Matchable blocks of ``chain`` from ``first_block`` on that are pending, consecutively.
 
         Every hit is verified by its token ids, namespace key and parent, like
         an index lookup. Changes nothing.
         """
         if not self.entries:
             return 0
-        bs = self.block_size
         count = 0
-        for i in range(first_block, (len(tokens) - 1) // bs):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            ns_key = namespace.key(i, bs)
-            hash_ = self._hasher.hash_block(parent_hash, block_tokens, ns_key)
-            entry = self.entries.get(hash_)
+        for block in chain.blocks(first_block, chain.num_matchable_blocks):
+            entry = self.entries.get(block.hash)
             if (
                 entry is None
-                or entry.parent_hash != parent_hash
-                or entry.ns_key != ns_key
-                or entry.token_ids != block_tokens
+                or entry.parent_hash != block.parent_hash
+                or entry.ns_key != block.ns_key
+                or entry.token_ids != block.token_ids
             ):
                 break
             count += 1
-            parent_hash = hash_
         return count
 
     def check(self, seqs: list[Sequence]) -> None:

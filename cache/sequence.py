@@ -13,12 +13,16 @@ is not written yet must never be matched by another request.
 from __future__ import annotations
 
 from .block_table import BlockTable
+from .chain import BlockChain
 from .namespace import Namespace
 from .prefix_index import PrefixNode
 
 
 class Sequence:
     """One running sequence: its tokens, block table and place in the prefix index.
+
+    chain: its tokens and their block hashes (``cache.chain``), owned by this
+        sequence alone; ``token_ids`` and ``namespace`` read it.
 
     last_node: the index node of block ``num_indexed - 1`` (the root when 0);
         the next full block is indexed as its child.
@@ -34,9 +38,8 @@ class Sequence:
 
     __slots__ = (
         "seq_id",
-        "token_ids",
+        "chain",
         "table",
-        "namespace",
         "num_computed",
         "num_indexed",
         "last_node",
@@ -51,17 +54,15 @@ class Sequence:
     def __init__(
         self,
         seq_id,
-        token_ids: list[int],
+        chain: BlockChain,
         table: BlockTable,
-        namespace: Namespace,
         num_computed: int,
         num_indexed: int,
         last_node: PrefixNode,
     ) -> None:
         self.seq_id = seq_id
-        self.token_ids = token_ids
+        self.chain = chain
         self.table = table
-        self.namespace = namespace
         self.num_computed = num_computed
         self.num_indexed = num_indexed
         self.last_node = last_node
@@ -73,13 +74,20 @@ class Sequence:
         # Blocks right after num_computed being read from the disk tier.
         self.num_loading = 0
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.chain.tokens
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.chain.namespace
+
     def fork(self, child_id) -> Sequence:
         """A copy sharing nothing mutable; the caller adds the block references."""
         child = Sequence(
             child_id,
-            list(self.token_ids),
+            self.chain.copy(),
             self.table.copy(),
-            self.namespace,
             self.num_computed,
             self.num_indexed,
             self.last_node,

@@ -2,7 +2,18 @@
 
 import pytest
 
-from cache import BlockHasher, BlockPool, BlockTable, Namespace, OutOfBlocksError, PrefixIndex
+import cache.hashing
+from cache import (
+    BlockChain,
+    BlockHasher,
+    BlockPool,
+    BlockTable,
+    ChainBlock,
+    KVCacheManager,
+    Namespace,
+    OutOfBlocksError,
+    PrefixIndex,
+)
 from cache.hashing import ROOT_HASH
 from cache.namespace import PUBLIC, PUBLIC_KEY
 from cache.stats import CacheStats
@@ -131,3 +142,57 @@ def test_stats_histogram_buckets():
     assert stats.reuse_histogram() == {"1": 1, "5-8": 1}
     snap = stats.snapshot()
     assert snap["hit_blocks"] == 6 and snap["by_label"]["public"]["hit_tokens"] == 16
+
+
+def test_block_chain_hashes_each_block_once_and_keeps_them_as_it_grows(monkeypatch):
+    ns = Namespace(b"salt", shared_prefix_len=4)
+    tokens = list(range(10))
+    hasher = BlockHasher(4)
+    expected, parent = [], ROOT_HASH
+    for i in range(3):
+        block = (tokens + [10, 11])[i * 4 : (i + 1) * 4]
+        parent = hasher.hash_block(parent, block, ns.key(i, 4))
+        expected.append(parent)
+
+    calls = []
+    real = cache.hashing._digest
+    monkeypatch.setattr(cache.hashing, "_digest", lambda data: calls.append(data) or real(data))
+    chain = BlockChain(hasher, tokens, ns)
+    assert (chain.num_full_blocks, chain.num_matchable_blocks) == (2, 2)
+    first = next(chain.blocks(0, 2))  # a walk that stops early hashes no further
+    assert first == ChainBlock(0, expected[0], ROOT_HASH, (0, 1, 2, 3), PUBLIC_KEY)
+    assert len(calls) == 1
+    assert [b.hash for b in chain.blocks(0, 2)] == expected[:2] and len(calls) == 2
+    assert chain.block(1).parent_hash == expected[0] and len(calls) == 2
+
+    twin = chain.copy()
+    chain.extend([10, 11])
+    assert chain.num_full_blocks == 3 and chain.num_matchable_blocks == 2
+    assert chain.hash(2) == expected[2]
+    assert len(calls) == 3 and twin.num_tokens == 10
+    with pytest.raises(IndexError):
+        twin.hash(2)
+    with pytest.raises(ValueError):
+        chain.extend([2**32])
+    with pytest.raises(ValueError):
+        BlockChain(hasher, [1, -1], ns)
+    with pytest.raises(TypeError):
+        BlockChain(hasher, [1], "public")
+    assert chain.num_tokens == 12  # a refused extend appends nothing
+
+
+def test_a_prompt_chain_is_hashed_once_from_the_queries_to_its_indexing(monkeypatch):
+    calls = []
+    real = cache.hashing._digest
+    monkeypatch.setattr(cache.hashing, "_digest", lambda data: calls.append(data) or real(data))
+    mgr = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = mgr.chain(list(range(18)), PUBLIC)  # 4 full blocks, the 5th partial
+    assert mgr.num_matched_tokens(prompt, PUBLIC) == 0
+    assert mgr.match_prefix(prompt, PUBLIC).num_blocks_needed == 5
+    mgr.allocate("a", prompt, PUBLIC)
+    mgr.mark_computed("a", 18)
+    assert len(calls) == 4
+    assert mgr.num_matched_tokens(prompt, PUBLIC) == 16 and len(calls) == 4
+    with pytest.raises(ValueError):
+        mgr.allocate("b", prompt, Namespace(b"another tenant"))
+    assert "b" not in mgr
