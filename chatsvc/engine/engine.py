@@ -236,7 +236,8 @@ class LLMEngine:
             if items:
                 items, logits = self._take_prompt_logprobs(items, logits, outputs)
             if items:
-                completing, logits = self.runner.commit(items, self.cache, logits)
+                self.scheduler.update_from_step(items)
+                completing, logits = self.runner.completing_rows(items, logits)
         # Store the blocks the step indexed, even when it computed nothing (a loading
         # sequence is waited on there). Not after an exception: the engine's state is
         # then in doubt and nothing of it may reach the disk.
@@ -287,7 +288,7 @@ class LLMEngine:
         """Record prompt logprobs from the extra rows; one row per item remains.
 
         A request whose prompt rows cannot be scored fails alone; its items are dropped
-        before ``commit``, like those of a request whose forward pass failed.
+        before ``Scheduler.update_from_step``, like those of a request whose forward pass failed.
         """
         logits, failures = take_prompt_logprobs(items, logits)
         if not failures:
@@ -357,7 +358,6 @@ class LLMEngine:
         for index in range(len(state.seqs), state.request.sampling.n):
             child = self._new_sequence(state.request, index)
             self.cache.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.cached_by_tier = dict(parent.cached_by_tier)
             child.arrival_time = parent.arrival_time

@@ -5,15 +5,14 @@ Per step, in order:
    (device -> host), swap_in (host -> device), copies (device -> device,
    copy-on-write);
 2. ``forward``: one forward pass over the new tokens of the scheduled sequences;
-3. ``commit``: ``mark_computed`` for each sequence, so its newly full blocks join
-   the index only once their KV is really written.
-It hands back the logits rows of sequences whose every token now has KV; rows of
-intermediate prefill chunks are dropped (nothing to sample there).
+3. ``completing_rows``: the logits rows of sequences whose every token now has
+   KV; rows of intermediate prefill chunks are dropped (nothing to sample there).
 
-The three are separate so a failed forward can be run again on fewer sequences:
-``forward`` writes K/V only into the slots of its own sequences' new tokens and
-changes no bookkeeping, so running it again (the plans are not run twice)
-rewrites the same slots, and nothing is marked computed until ``commit``.
+The runner changes no bookkeeping: ``Scheduler.update_from_step`` marks the
+tokens computed after the forward. So a failed forward can be run again on
+fewer sequences: ``forward`` writes K/V only into the slots of its own
+sequences' new tokens, running it again (the plans are not run twice) rewrites
+the same slots, and nothing is marked computed until the scheduler is told.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ import torch
 from cache import CachePlan, KVCacheManager
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.llama import LlamaModel
-from chatsvc.engine.prompt_logprobs import num_logit_rows, take_prompt_logprobs
-from chatsvc.engine.scheduler import ScheduledSequence, SchedulerOutput
+from chatsvc.engine.prompt_logprobs import num_logit_rows
+from chatsvc.engine.scheduler import ScheduledSequence
 from chatsvc.engine.swap_stream import SwapStream
 from kernels import copy_blocks
 from kernels.kv_layout import new_kv_pool
@@ -65,19 +64,6 @@ class ModelRunner:
         if plan.copies:
             copy_blocks(self.kv_pool, self.kv_pool, _pairs(plan.copies))
 
-    def execute(
-        self, out: SchedulerOutput, cache: KVCacheManager
-    ) -> tuple[list[ScheduledSequence], torch.Tensor | None]:
-        """Run a step; returns the completing sequences and their logits ``[N, vocab]`` (fp32)."""
-        self.execute_plans(out.plans)
-        if not out.scheduled:
-            return [], None
-        logits = self.forward(out.scheduled, cache)
-        logits, failures = take_prompt_logprobs(out.scheduled, logits)
-        if failures:  # LLMEngine.step fails such a request alone; here the step fails
-            raise next(iter(failures.values()))
-        return self.commit(out.scheduled, cache, logits)
-
     def execute_plans(self, plans: list[CachePlan]) -> None:
         """Run the step's cache plans, in order; once per step, before any forward."""
         for plan in plans:
@@ -88,7 +74,8 @@ class ModelRunner:
         each item's last new token last (one row per item unless prompt logprobs are asked).
 
         Writes the items' K/V into their slots and nothing else: the cache's
-        bookkeeping and ``num_computed_tokens`` stay as they were until ``commit``.
+        bookkeeping and ``num_computed_tokens`` stay as they were
+        (``Scheduler.update_from_step`` advances them).
         """
         token_ids, num_computed, slots, tables = [], [], [], []
         for item in items:
@@ -127,17 +114,15 @@ class ModelRunner:
                 results.append(error)
         return results
 
-    def commit(
-        self, items: list[ScheduledSequence], cache: KVCacheManager, logits: torch.Tensor
+    @staticmethod
+    def completing_rows(
+        items: list[ScheduledSequence], logits: torch.Tensor
     ) -> tuple[list[ScheduledSequence], torch.Tensor | None]:
-        """Mark the items' new tokens computed; returns the completing items and their rows.
+        """The items whose every token now has KV, and their logits rows.
 
-        ``logits`` row i belongs to ``items[i]``.
+        ``logits`` row i belongs to ``items[i]``; the rows of intermediate prefill
+        chunks are dropped (nothing to sample there).
         """
-        for item in items:
-            done = item.start + item.num_new_tokens
-            cache.mark_computed(item.seq.seq_id, done)
-            item.seq.num_computed_tokens = done
         rows = [i for i, item in enumerate(items) if item.completes]
         if not rows:
             return [], None

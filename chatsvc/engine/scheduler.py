@@ -52,7 +52,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cache import CachePlan, KVCacheManager
+from cache import BlockChain, CachePlan, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.config import SchedulerConfig
 from chatsvc.engine.errors import RequestTooLargeError
@@ -120,9 +120,23 @@ class Scheduler:
 
     def add_forked(self, seq: Sequence) -> None:
         """A child already holding blocks through ``cache.fork``: it joins the running list."""
+        seq.num_computed_tokens = self.cache.num_computed_tokens(seq.seq_id)
         seq.status = SequenceStatus.RUNNING
         seq.was_admitted = True
         self.running.append(seq)
+
+    def update_from_step(self, computed: list[ScheduledSequence]) -> None:
+        """The step's forward wrote the KV of these items' new tokens.
+
+        The one place a step's bookkeeping happens: the cache indexes the newly
+        full blocks and each sequence's ``num_computed_tokens`` advances. Items
+        of requests that failed in the step are left out by the caller, so their
+        blocks are never marked computed.
+        """
+        for item in computed:
+            done = item.start + item.num_new_tokens
+            self.cache.mark_computed(item.seq.seq_id, done)
+            item.seq.num_computed_tokens = done
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and free its blocks (finish or abort)."""
@@ -215,10 +229,18 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _prefill_slots(self, seq: Sequence, chunk: int) -> list[int]:
-        table = self.cache.block_table(seq.seq_id)
-        size = self.block_size
-        start = seq.num_computed_tokens
-        return [table[p // size] * size + p % size for p in range(start, start + chunk)]
+        return self.cache.prefill_slots(seq.seq_id, chunk)
+
+    def _chain(self, seq: Sequence) -> BlockChain:
+        """The sequence's block chain, grown to its tokens: its blocks are hashed once
+        for the ranking, the admission check and ``allocate`` (and again only for the
+        tokens it generated before a preemption)."""
+        chain = seq.block_chain
+        if chain is None:
+            chain = seq.block_chain = self.cache.chain(seq.token_ids(), seq.request.namespace)
+        elif chain.num_tokens < seq.num_tokens:
+            chain.extend(seq.output_token_ids[chain.num_tokens - seq.num_prompt_tokens :])
+        return chain
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         if budget == 0 or not self.waiting:
@@ -235,7 +257,8 @@ class Scheduler:
             # Measured again: an admission just before may have changed what is cached.
             # A sequence that needs its prompt's logits computes every prompt token.
             reuse = not wants_prompt_logits(seq)
-            match = self.cache.match_prefix(seq.token_ids(), seq.request.namespace, reuse)
+            chain = self._chain(seq)
+            match = self.cache.match_prefix(chain, seq.request.namespace, reuse)
             if (
                 may_defer
                 and match.num_pending_tokens
@@ -258,7 +281,7 @@ class Scheduler:
                 break
             result = self.cache.allocate(
                 seq.seq_id,
-                seq.token_ids(),
+                chain,
                 seq.request.namespace,
                 owner=seq.cache_owner,
                 reuse_prefix=reuse,
@@ -304,7 +327,7 @@ class Scheduler:
         measured = rest[:MAX_RANKED_CANDIDATES]
 
         def cached_tokens(seq: Sequence) -> int:
-            return self.cache.num_matched_tokens(seq.token_ids(), seq.request.namespace)
+            return self.cache.num_matched_tokens(self._chain(seq), seq.request.namespace)
 
         # sorted() is stable: equal prefixes keep arrival order.
         ranked = sorted(measured, key=cached_tokens, reverse=True) + rest[len(measured) :]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cache import BlockChain
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
 from chatsvc.engine.logits_processing import LogitsState
 from chatsvc.engine.request import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
@@ -70,6 +71,9 @@ class Sequence:
     logits_state: LogitsState | None = None
     # Scores of prompt tokens 0.. (entry 0 None) as prefill computes them; None: not asked.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Its tokens' block hashes while it waits for admission (Scheduler._chain): a
+    # prefix of token_ids(), hashed once for every look at the cache.
+    block_chain: BlockChain | None = None
 
     @property
     def sampling(self) -> SamplingParams:

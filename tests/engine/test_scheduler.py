@@ -1,4 +1,4 @@
-"""Scheduler against a real KVCacheManager, no model: KV "computation" is mark_computed."""
+"""Scheduler against a real KVCacheManager, no model: KV "computation" is update_from_step."""
 
 import itertools
 
@@ -38,14 +38,13 @@ def has_work(sched: Scheduler) -> bool:
 
 
 def step(sched, cache, next_token=7):
-    """Run one scheduled step the way the runner does, and finish sequences at max_tokens."""
+    """Run one scheduled step the way the engine does, and finish sequences at max_tokens."""
     out = sched.schedule()
+    assert all(len(item.slots) == item.num_new_tokens for item in out.scheduled)
+    sched.update_from_step(out.scheduled)
     for item in out.scheduled:
         seq = item.seq
-        done = seq.num_computed_tokens + item.num_new_tokens
-        assert len(item.slots) == item.num_new_tokens
-        cache.mark_computed(seq.seq_id, done)
-        seq.num_computed_tokens = done
+        assert seq.num_computed_tokens == cache.num_computed_tokens(seq.seq_id)
         if item.completes:
             seq.append_token(next_token, 0.0)
             if len(seq.output_token_ids) >= seq.sampling.max_tokens:

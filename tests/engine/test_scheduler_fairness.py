@@ -1,6 +1,6 @@
 """Admission is fair between tenants: scheduler against a real KVCacheManager, no model.
 
-A step is run the way the engine runs one: KV "computation" is mark_computed,
+A step is run the way the engine runs one: KV "computation" is update_from_step,
 and a request with n > 1 forks its other samples (cache.fork, add_forked) once
 its prompt is computed.
 """
@@ -59,11 +59,9 @@ def step(sched, cache):
     before = {seq.seq_id for seq in sched.running}
     out = sched.schedule()
     admitted = [item.seq for item in out.scheduled if item.seq.seq_id not in before]
+    sched.update_from_step(out.scheduled)
     for item in out.scheduled:
         seq = item.seq
-        done = seq.num_computed_tokens + item.num_new_tokens
-        cache.mark_computed(seq.seq_id, done)
-        seq.num_computed_tokens = done
         if not item.completes:
             continue
         samples = [seq]
@@ -71,7 +69,6 @@ def step(sched, cache):
             for index in range(1, seq.sampling.n):
                 child = _sequence(seq.request, index)
                 cache.fork(seq.seq_id, child.seq_id)
-                child.num_computed_tokens = seq.num_computed_tokens
                 sched.add_forked(child)
                 samples.append(child)
         for sample in samples:
