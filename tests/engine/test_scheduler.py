@@ -252,3 +252,21 @@ def test_aged_requests_are_never_deferred():
 def test_defer_config_validation():
     with pytest.raises(ValueError, match="max_defer_steps"):
         SchedulerConfig(max_defer_steps=-1).validate()
+
+
+def test_a_waiting_prompt_is_hashed_once_from_ranking_to_indexing(monkeypatch):
+    import cache.hashing
+
+    hashed = []
+    real = cache.hashing._digest
+    monkeypatch.setattr(cache.hashing, "_digest", lambda data: hashed.append(data) or real(data))
+    cache_, sched = make(max_num_batched_tokens=8)
+    first, second = make_seq(range(100, 122), max_tokens=1), make_seq(range(200, 222))
+    sched.add(first)
+    sched.add(second)  # ranked and deferred behind the first for some steps
+    while sched.waiting or sched.running:
+        step(sched, cache_)
+    # Each block once: the first's 22 prompt tokens fill 5; the second has KV for 29
+    # tokens (its prompt and 7 of its 8 outputs), 7 blocks.
+    assert len(hashed) == len(set(hashed)) == 5 + 7
+    assert second.output_token_ids == [7] * 8
