@@ -125,7 +125,7 @@ class LLMEngine:
             enable_prefix_cache=config.enable_prefix_cache,
             debug_checks=config.debug_checks,
         )
-        self.scheduler = Scheduler(self.cache, config.block_size, config.scheduler)
+        self.scheduler = Scheduler(self.cache, config.scheduler)
         self.runner = ModelRunner(
             self.model, config.block_size, self.num_gpu_blocks, self.num_host_blocks
         )

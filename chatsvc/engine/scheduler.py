@@ -102,9 +102,8 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and the running list; talks to the cache, never to the model."""
 
-    def __init__(self, cache: KVCacheManager, block_size: int, config: SchedulerConfig) -> None:
+    def __init__(self, cache: KVCacheManager, config: SchedulerConfig) -> None:
         self.cache = cache
-        self.block_size = block_size
         self.config = config.validate()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

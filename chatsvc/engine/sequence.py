@@ -71,8 +71,9 @@ class Sequence:
     logits_state: LogitsState | None = None
     # Scores of prompt tokens 0.. (entry 0 None) as prefill computes them; None: not asked.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # Its tokens' block hashes while it waits for admission (Scheduler._chain): a
-    # prefix of token_ids(), hashed once for every look at the cache.
+    # Its tokens' block hashes for admission (Scheduler._chain): a prefix of
+    # token_ids(), hashed once for every look at the cache, and kept so a preempted
+    # sequence is not hashed again.
     block_chain: BlockChain | None = None
 
     @property

@@ -30,7 +30,7 @@ def make_seq(prompt, max_tokens=8, arrival=None):
 
 def make(num_blocks=64, host=0, **config):
     cache = KVCacheManager(num_blocks, BS, num_host_blocks=host, debug_checks=True)
-    return cache, Scheduler(cache, BS, SchedulerConfig(**config))
+    return cache, Scheduler(cache, SchedulerConfig(**config))
 
 
 def has_work(sched: Scheduler) -> bool:

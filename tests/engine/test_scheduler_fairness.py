@@ -47,7 +47,7 @@ def submit(sched, tenant: str, *, max_tokens=1, n=1, prompt_len=6) -> Sequence:
 def make(max_num_seqs, num_blocks=512, budget=4096):
     cache = KVCacheManager(num_blocks, BS, debug_checks=True)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
-    return cache, Scheduler(cache, BS, config)
+    return cache, Scheduler(cache, config)
 
 
 def has_work(sched: Scheduler) -> bool:
