@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def unique_prefix(label: str = "t") -> str:
+    """A Redis key prefix nobody else uses: servers (and tests) sharing one Redis keep apart."""
+    return f"{label}-{uuid.uuid4().hex[:12]}"
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -13,11 +13,13 @@ Tests share the server and keep apart by key prefix (``unique_prefix()``).
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.live_server import unique_prefix
 from chatsvc.store.embedded import EmbeddedRedis
+
+__all__ = ["started_server", "unique_prefix"]
 
 
 @contextlib.contextmanager
@@ -33,8 +35,3 @@ def started_server(data_dir: Path, appendfsync: str = "everysec") -> Iterator[Em
         yield server
     finally:
         server.stop()
-
-
-def unique_prefix(label: str = "t") -> str:
-    """A key prefix no other test uses, so tests on one server never see each other's keys."""
-    return f"{label}-{uuid.uuid4().hex[:12]}"

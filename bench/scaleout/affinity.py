@@ -28,7 +28,7 @@ from bench.scaleout import common
 from bench.scaleout.drive import chat_workload, figures, tenant_keys
 from bench.scaleout.fleet import Fleet
 from chatsvc.store.embedded import EmbeddedRedis
-from tests.redis_server import unique_prefix
+from bench.live_server import unique_prefix
 
 RUNS = (
     ("1 replica", 1, True),

@@ -33,7 +33,7 @@ from bench.scaleout.drive import SessionConversation
 from bench.scaleout.fleet import Fleet
 from bench.scaleout.valkey import SentinelTopology
 from chatsvc.store import Store
-from tests.redis_server import unique_prefix
+from bench.live_server import unique_prefix
 
 TENANT, KEY = "failover", "failover-tenant-key-0001"
 

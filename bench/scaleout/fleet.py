@@ -5,7 +5,7 @@
         fleet.replicas[0].url     # one replica, bypassing nginx
         fleet.kill(0)             # SIGKILL, as a crash
 
-Replicas are child processes (``tests.api.live_server.ProcessServer``) with
+Replicas are child processes (``bench.live_server.ProcessServer``) with
 ``CHATSVC_REPLICA_ID`` = ``r1``, ``r2``, ... and the same key prefix, tenants
 and admin key, so any replica serves any session.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.scaleout.nginx import Nginx
-from tests.api.live_server import ProcessServer
+from bench.live_server import ProcessServer
 
 ADMIN_KEY = "scaleout-admin-key-0001"
 

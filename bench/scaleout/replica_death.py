@@ -34,7 +34,7 @@ from bench.scaleout.drive import SessionConversation
 from bench.scaleout.fleet import Fleet
 from chatsvc.store import Store
 from chatsvc.store.embedded import EmbeddedRedis
-from tests.redis_server import unique_prefix
+from bench.live_server import unique_prefix
 
 TENANT, KEY = "death", "death-tenant-key-000001"
 

@@ -16,7 +16,7 @@ from cache.hashing import ROOT_HASH, BlockHasher
 from chatsvc.config import Settings
 from chatsvc.engine.kv_disk.fileformat import parse_name
 from tests.api.conftest import ACME_KEY, ADMIN_KEY, BLOCK_SIZE, TEST_LIMITS, engine_config
-from tests.api.live_server import ThreadServer, wait_until
+from bench.live_server import ThreadServer, wait_until
 from tests.http_helpers import client, new_session, say, unique
 from tests.redis_server import unique_prefix
 

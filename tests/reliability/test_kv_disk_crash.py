@@ -22,7 +22,7 @@ from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.request import GenerationRequest, SamplingParams
 from chatsvc.store import Store
 from chatsvc.store.embedded import EmbeddedRedis
-from tests.api.live_server import ProcessServer, wait_until
+from bench.live_server import ProcessServer, wait_until
 from tests.redis_server import unique_prefix
 
 pytestmark = pytest.mark.slow

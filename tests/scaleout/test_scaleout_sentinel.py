@@ -29,7 +29,7 @@ from chatsvc.store.sentinel import (
     UnconfirmedWriteError,
     parse_sentinel_url,
 )
-from tests.api.live_server import ThreadServer
+from bench.live_server import ThreadServer
 from tests.redis_server import unique_prefix
 
 # -- the URL ------------------------------------------------------------------
