@@ -54,9 +54,12 @@ def new_conversations(engine: AsyncEngine, count: int, system_repeat: int) -> li
     return out
 
 
-async def run_turn(engine, conv: Conversation, turn: int, args, tag: str = "") -> dict:
+async def run_turn(
+    engine, conv: Conversation, turn: int, args, tag: str = "", variant: int = 0
+) -> dict:
+    """One turn of ``conv``; ``variant`` > 0 asks another question at the same turn."""
     fmt = engine.chat_format
-    text = question(conv.conv, turn, args.question_words)
+    text = question(conv.conv, turn + 1000 * variant, args.question_words)
     prompt = conv.history + fmt.tokenize(
         f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
     )

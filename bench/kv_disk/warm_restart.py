@@ -2,21 +2,25 @@
 
     .venv/bin/python -m bench.kv_disk.warm_restart [--sessions 32] [--turns 4]
         [--max-tokens 64] [--question-words 60] [--system-repeat 6]
+        [--arrival at-once|one-at-a-time|both]
 
 Phase 1: ``--sessions`` conversations run ``--turns`` turns each (concurrently,
 each one turn after another) on an engine with the disk tier on; the script
 checks that every history reaches ``--min-history`` tokens. Then turn
-``turns + 1`` of every session is sent at once, three times from the same
-histories:
+``turns + 1`` of every session, three times from the same histories:
 
     (a) no restart: the same engine, its memory tiers warm
     (b) restart, disk tier off: a new engine, the whole history recomputed
     (c) restart, disk tier on: a new engine on the files phase 1 left
 
-(c) runs on a hard-linked snapshot of the directory taken before (a), so (a)'s
-own blocks cannot help it. Prints TTFT p50/p90 of that turn per run, the
-ratios against the targets (c within 1.5x of (a), at least 5x under (b)), and
-where (c)'s cached tokens came from.
+each with the requests arriving all at once (the turn's TTFT is then mostly
+queueing behind the other sessions' new tokens) and, with ``--arrival both``
+(the default), again one at a time (each once the previous answer ended: the
+TTFT of one returning user), asking another question of the same histories.
+Every (c) runs on its own hard-linked snapshot of the directory taken before
+(a), and every (b) on a new engine, so no run's blocks help another. Prints
+TTFT p50/p90 of that turn per run, the ratios against the targets (c within
+1.5x of (a), at least 5x under (b)), and where (c)'s cached tokens came from.
 """
 
 from __future__ import annotations
@@ -55,9 +59,14 @@ def snapshot(src: Path, dst: Path) -> int:
     return count
 
 
-async def last_turn(engine, convs, turn, args, tag) -> list[dict]:
+async def last_turn(engine, convs, turn, args, tag, paced: bool) -> list[dict]:
+    """Turn ``turn`` of every session: all sent at once, or (``paced``) one after another
+    (each once the previous answer ended), asking another question of the same histories."""
     histories = [list(c.history) for c in convs]
-    rows = await asyncio.gather(*(run_turn(engine, c, turn, args, tag) for c in convs))
+    if paced:
+        rows = [await run_turn(engine, c, turn, args, tag, variant=1) for c in convs]
+    else:
+        rows = await asyncio.gather(*(run_turn(engine, c, turn, args, tag) for c in convs))
     for conv, history in zip(convs, histories, strict=True):
         conv.history = history  # every run starts from the same histories
     return rows
@@ -65,7 +74,8 @@ async def last_turn(engine, convs, turn, args, tag) -> list[dict]:
 
 async def main_async(args) -> None:
     root = Path(args.kv_dir or tempfile.mkdtemp(prefix="kv-warm-"))
-    live, snap = root / "live", root / "snapshot"
+    live = root / "live"
+    arrivals = {"at-once": (False,), "one-at-a-time": (True,), "both": (False, True)}[args.arrival]
     engine = await started(engine_config(args, kv_disk_dir=str(live)))
     convs = new_conversations(engine, args.sessions, args.system_repeat)
 
@@ -78,21 +88,28 @@ async def main_async(args) -> None:
     phase1 = time.perf_counter() - start
     shortest = min(len(c.history) for c in convs)
     await settle(engine)
-    num_files = snapshot(live, snap)
+    # One snapshot per (c) run, all taken before (a): no run's blocks reach another.
+    snaps = {paced: root / f"snapshot-{int(paced)}" for paced in arrivals}
+    num_files = [snapshot(live, snap) for snap in snaps.values()][0]
     turn = args.turns
-    no_restart = await last_turn(engine, convs, turn, args, "a-")
+    runs: dict[tuple[str, bool], list[dict]] = {}
+    for paced in arrivals:
+        runs["a", paced] = await last_turn(engine, convs, turn, args, f"a{int(paced)}-", paced)
     await engine.stop()
 
-    cold = await started(engine_config(args, kv_disk_bytes=0))
-    disk_off = await last_turn(cold, convs, turn, args, "b-")
-    await cold.stop()
+    for paced in arrivals:  # a new engine each time: a recompute must not find the last one
+        cold = await started(engine_config(args, kv_disk_bytes=0))
+        runs["b", paced] = await last_turn(cold, convs, turn, args, f"b{int(paced)}-", paced)
+        await cold.stop()
 
-    start = time.perf_counter()
-    warm = await started(engine_config(args, kv_disk_dir=str(snap)))
-    restart_s = time.perf_counter() - start
-    disk_on = await last_turn(warm, convs, turn, args, "c-")
-    disk_stats = warm.cache_stats()["disk"]
-    await warm.stop()
+    restart_s, disk_stats = {}, {}
+    for paced in arrivals:
+        start = time.perf_counter()
+        warm = await started(engine_config(args, kv_disk_dir=str(snaps[paced])))
+        restart_s[paced] = time.perf_counter() - start
+        runs["c", paced] = await last_turn(warm, convs, turn, args, f"c{int(paced)}-", paced)
+        disk_stats[paced] = warm.cache_stats()["disk"]
+        await warm.stop()
     if not args.kv_dir:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -103,28 +120,37 @@ async def main_async(args) -> None:
     )
     if shortest < args.min_history:
         print(f"WARNING: a history has {shortest} tokens, under --min-history {args.min_history}")
-    print(f"turn {turn + 1}, all sessions at once   ttft_p50_ms  ttft_p90_ms  cached/prompt")
-    for name, rows in (
-        ("(a) no restart", no_restart),
-        ("(b) restart, disk tier off", disk_off),
-        ("(c) restart, disk tier on", disk_on),
-    ):
-        ttfts = [r["ttft"] for r in rows]
-        cached, prompt = sum(r["cached"] for r in rows), sum(r["prompt"] for r in rows)
+    names = {
+        "a": "(a) no restart",
+        "b": "(b) restart, disk tier off",
+        "c": "(c) restart, disk tier on",
+    }
+    for paced in arrivals:
+        how = "one at a time" if paced else "all sessions at once"
+        print(f"turn {turn + 1}, {how:<21} ttft_p50_ms  ttft_p90_ms  cached/prompt")
+        for key, name in names.items():
+            rows = runs[key, paced]
+            ttfts = [r["ttft"] for r in rows]
+            cached, prompt = sum(r["cached"] for r in rows), sum(r["prompt"] for r in rows)
+            print(
+                f"{name:<32} {p50(ttfts) * 1e3:>11.1f}  {percentile(ttfts, 90) * 1e3:>11.1f}  "
+                f"{cached}/{prompt}"
+            )
+        a, b, c = (p50([r["ttft"] for r in runs[key, paced]]) for key in "abc")
         print(
-            f"{name:<32} {p50(ttfts) * 1e3:>11.1f}  {percentile(ttfts, 90) * 1e3:>11.1f}  "
-            f"{cached}/{prompt}"
+            f"(c)/(a) p50 = {c / a:.2f}x (target <= 1.5x); "
+            f"(b)/(c) p50 = {b / c:.1f}x (target >= 5x)"
         )
-    a = p50([r["ttft"] for r in no_restart])
-    b = p50([r["ttft"] for r in disk_off])
-    c = p50([r["ttft"] for r in disk_on])
-    print(f"(c)/(a) p50 = {c / a:.2f}x (target <= 1.5x); (b)/(c) p50 = {b / c:.1f}x (target >= 5x)")
-    tiers = {t: sum(r["by_tier"].get(t, 0) for r in disk_on) for t in ("device", "host", "disk")}
-    print(
-        f"(c) cached tokens by tier {tiers}; engine start incl. index rebuild {restart_s:.1f}s; "
-        f"disk loads {disk_stats['loaded_blocks']} blocks, "
-        f"{disk_stats['loaded_bytes'] / 2**20:.0f} MiB"
-    )
+        disk_on = runs["c", paced]
+        tiers = {
+            t: sum(r["by_tier"].get(t, 0) for r in disk_on) for t in ("device", "host", "disk")
+        }
+        stats = disk_stats[paced]
+        print(
+            f"(c) cached tokens by tier {tiers}; engine start incl. index rebuild "
+            f"{restart_s[paced]:.1f}s; disk loads {stats['loaded_blocks']} blocks, "
+            f"{stats['loaded_bytes'] / 2**20:.0f} MiB"
+        )
 
 
 def main() -> None:
@@ -133,6 +159,12 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--turns", type=int, default=4, help="turns before the restart")
     parser.add_argument("--min-history", type=int, default=1000)
+    parser.add_argument(
+        "--arrival",
+        choices=("at-once", "one-at-a-time", "both"),
+        default="both",
+        help="how the last turn's requests arrive (one at a time: no queueing behind others)",
+    )
     asyncio.run(main_async(parser.parse_args()))
 
 
