@@ -57,10 +57,6 @@ class BlockChain:
         self.tokens = checked_tokens(token_ids)
         self.hashes: list[bytes] = []
 
-    @classmethod
-    def of(cls, block_size: int, token_ids: Iterable[int], namespace: Namespace) -> BlockChain:
-        return cls(BlockHasher(block_size), token_ids, namespace)
-
     @property
     def block_size(self) -> int:
         return self.hasher.block_size

@@ -187,7 +187,8 @@ class Scheduler:
             if seq.seq_id in scheduled_ids or seq.status is not SequenceStatus.RUNNING:
                 continue
             chunk = min(seq.num_tokens_to_compute, budget)
-            out.scheduled.append(ScheduledSequence(seq, chunk, self._prefill_slots(seq, chunk)))
+            slots = self.cache.prefill_slots(seq.seq_id, chunk)
+            out.scheduled.append(ScheduledSequence(seq, chunk, slots))
             scheduled_ids.add(seq.seq_id)
             budget -= chunk
 
@@ -226,9 +227,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
-
-    def _prefill_slots(self, seq: Sequence, chunk: int) -> list[int]:
-        return self.cache.prefill_slots(seq.seq_id, chunk)
 
     def _chain(self, seq: Sequence) -> BlockChain:
         """The sequence's block chain, grown to its tokens: its blocks are hashed once
@@ -304,7 +302,8 @@ class Scheduler:
             self.running.append(seq)
             queue.admit(seq)
             chunk = min(seq.num_tokens_to_compute, budget)
-            out.scheduled.append(ScheduledSequence(seq, chunk, self._prefill_slots(seq, chunk)))
+            slots = self.cache.prefill_slots(seq.seq_id, chunk)
+            out.scheduled.append(ScheduledSequence(seq, chunk, slots))
             budget -= chunk
 
     def _ranked_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
