@@ -22,13 +22,13 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.live_server import unique_prefix
 from bench.multiturn.client import warm_up
 from bench.multiturn.servers import served_model
 from bench.scaleout import common
 from bench.scaleout.drive import chat_workload, figures, tenant_keys
 from bench.scaleout.fleet import Fleet
 from chatsvc.store.embedded import EmbeddedRedis
-from bench.live_server import unique_prefix
 
 RUNS = (
     ("1 replica", 1, True),

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import httpx
 
+from bench.live_server import unique_prefix
 from bench.reliability.history import verify
 from bench.scaleout import common
 from bench.scaleout.drive import SessionConversation
 from bench.scaleout.fleet import Fleet
 from bench.scaleout.valkey import SentinelTopology
 from chatsvc.store import Store
-from bench.live_server import unique_prefix
 
 TENANT, KEY = "failover", "failover-tenant-key-0001"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.scaleout.nginx import Nginx
 from bench.live_server import ProcessServer
+from bench.scaleout.nginx import Nginx
 
 ADMIN_KEY = "scaleout-admin-key-0001"
 

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import httpx
 
+from bench.live_server import unique_prefix
 from bench.reliability.history import verify
 from bench.scaleout import common
 from bench.scaleout.drive import SessionConversation
 from bench.scaleout.fleet import Fleet
 from chatsvc.store import Store
 from chatsvc.store.embedded import EmbeddedRedis
-from bench.live_server import unique_prefix
 
 TENANT, KEY = "death", "death-tenant-key-000001"
 

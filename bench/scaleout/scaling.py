@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.live_server import unique_prefix
 from bench.multiturn.client import warm_up
 from bench.multiturn.report import percentile
 from bench.multiturn.servers import served_model
@@ -31,7 +32,6 @@ from bench.scaleout import common
 from bench.scaleout.drive import chat_workload, figures, tenant_keys
 from bench.scaleout.fleet import Fleet
 from chatsvc.store.embedded import EmbeddedRedis
-from bench.live_server import unique_prefix
 
 CONFIGS = (
     ("1 replica, direct", 1, False),

@@ -16,13 +16,13 @@ import threading
 import httpx
 import pytest
 
+from bench.live_server import ProcessServer, wait_until
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.request import GenerationRequest, SamplingParams
 from chatsvc.store import Store
 from chatsvc.store.embedded import EmbeddedRedis
-from bench.live_server import ProcessServer, wait_until
 from tests.redis_server import unique_prefix
 
 pytestmark = pytest.mark.slow

@@ -16,6 +16,7 @@ import uuid
 import httpx
 import pytest
 
+from bench.live_server import ThreadServer
 from bench.reliability.history import Attempt, ConversationLog, verify
 from bench.scaleout.valkey import SentinelTopology
 from chatsvc.chat_client import iter_sse
@@ -29,7 +30,6 @@ from chatsvc.store.sentinel import (
     UnconfirmedWriteError,
     parse_sentinel_url,
 )
-from bench.live_server import ThreadServer
 from tests.redis_server import unique_prefix
 
 # -- the URL ------------------------------------------------------------------
