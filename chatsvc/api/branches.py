@@ -17,6 +17,7 @@ from litestar.params import FromPath, JSONBody
 from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import NotFoundError, documented_errors
 from chatsvc.api.schemas import MessageList, MessageView, SwitchBranch
+from chatsvc.api.session_kv import forget_removed_kv
 from chatsvc.api.turn_prompt import UNKNOWN_MESSAGE, UNKNOWN_SESSION
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
@@ -70,6 +71,22 @@ async def locked_write(services: Services, tenant: TenantRecord, session_id: str
         raise NotFoundError(UNKNOWN_SESSION) from None
 
 
+async def delete_with_kv(services: Services, tenant: TenantRecord, session_id: str, delete):
+    """``locked_write`` of ``delete(lock, write_id)``, a write that removes messages;
+    then the KV of the branch histories it removed goes too (session_kv.py)."""
+    store = services.store
+
+    async def write(lock, write_id):
+        before = await store.branch_histories(tenant.id, session_id)
+        await delete(lock, write_id)
+        return before, await store.branch_histories(tenant.id, session_id)
+
+    before, after = await locked_write(services, tenant, session_id, write)
+    session = await store.peek_session(tenant.id, session_id)
+    if session is not None:
+        await forget_removed_kv(services, tenant, session, before, after)
+
+
 class BranchController(Controller):
     path = "/sessions/{session_id:str}"
     tags = ["sessions"]
@@ -114,9 +131,11 @@ class BranchController(Controller):
         """Messages other branches use stay. If the active branch went, its parent's
         newest remaining continuation becomes active."""
 
-        async def write(lock, write_id):
-            return await services.store.delete_branch(
+        await delete_with_kv(
+            services,
+            tenant,
+            session_id,
+            lambda lock, write_id: services.store.delete_branch(
                 tenant.id, session_id, message_id, lock=lock, write_id=write_id
-            )
-
-        await locked_write(services, tenant, session_id, write)
+            ),
+        )

@@ -17,7 +17,7 @@ from litestar import Controller, delete, get, post
 from litestar.params import FromPath, JSONBody, Parameter
 
 from chatsvc.api import generation as gen
-from chatsvc.api.branches import locked_write, read_branch
+from chatsvc.api.branches import delete_with_kv, locked_write, read_branch
 from chatsvc.api.deps import ServicesDep, TenantDep
 from chatsvc.api.errors import InvalidRequestError, NotFoundError, RateLimitError, documented_errors
 from chatsvc.api.response_schemas import (
@@ -209,12 +209,14 @@ class ConversationController(Controller):
         services: ServicesDep,
         tenant: TenantDep,
     ) -> ConversationObject:
-        async def write(lock, write_id):
-            return await services.store.delete_message(
+        await delete_with_kv(
+            services,
+            tenant,
+            conversation_id,
+            lambda lock, write_id: services.store.delete_message(
                 tenant.id, conversation_id, item_id, lock=lock, write_id=write_id
-            )
-
-        await locked_write(services, tenant, conversation_id, write)
+            ),
+        )
         return conversation_view(await _session(services, tenant, conversation_id))
 
 

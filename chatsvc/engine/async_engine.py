@@ -238,6 +238,20 @@ class AsyncEngine:
             await asyncio.wrap_future(done)
         return counts
 
+    async def forget_tokens(
+        self, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
+    ) -> dict[str, int]:
+        """Delete one token history's KV past ``keep_tokens`` (see LLMEngine); returns
+        the blocks removed per tier once their files are gone."""
+        counts, done = await self._call(
+            CallBetweenSteps(
+                lambda engine: engine.forget_tokens(token_ids, namespace, keep_tokens), Future()
+            )
+        )
+        if done is not None:
+            await asyncio.wrap_future(done)
+        return counts
+
     # -- plumbing -----------------------------------------------------------------
 
     @property

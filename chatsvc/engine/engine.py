@@ -524,10 +524,26 @@ class LLMEngine:
             chains.extend(seq.token_ids() for seq in state.seqs)
             outputs.extend(self.abort_request(request_id))
         chains.append(list(token_ids))
+        # Longest first: an aborted turn's blocks hang below the stored history.
+        counts, done = self._forget(
+            sorted(chains, key=len, reverse=True), namespace, owner, keep_tokens
+        )
+        return outputs, counts, done
+
+    def forget_tokens(self, token_ids: list[int], namespace, keep_tokens: int = 0) -> tuple:
+        """Delete the KV of one token history past its first ``keep_tokens`` (text a
+        session no longer holds: a deleted branch or message), in every tier.
+
+        Only the history's own blocks go, never what hangs below them (the session's
+        other branches may). Returns (counts per tier, a future for the file deletions
+        or None).
+        """
+        return self._forget([list(token_ids)], namespace, b"", keep_tokens)
+
+    def _forget(self, chains: list[list[int]], namespace, owner: bytes, keep_tokens: int):
         counts = {"device": 0, "host": 0, "disk": 0, "kept": 0}
         done = None
-        # Longest first: an aborted turn's blocks hang below the stored history.
-        for chain in sorted(chains, key=len, reverse=True):
+        for chain in chains:
             if self.disk_tier is not None:
                 removed, done = self.disk_tier.forget(chain, namespace, owner, keep_tokens)
             else:
@@ -539,7 +555,7 @@ class LLMEngine:
                 }
             for tier, count in removed.items():
                 counts[tier] += count
-        return outputs, counts, done
+        return counts, done
 
     def close(self) -> None:
         """Stop the disk tier's I/O (storing what it still has to); the engine is done."""

@@ -160,3 +160,11 @@ class EngineClient(Protocol):
         ``keep_tokens`` tokens' blocks, which another session still uses; its running
         requests end with an abort. Returns the blocks removed per tier."""
         ...
+
+    async def forget_tokens(
+        self, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
+    ) -> dict[str, int]:
+        """Delete the KV of text a session no longer holds (a deleted branch or message):
+        the blocks of ``token_ids`` past the first ``keep_tokens`` tokens, in every
+        tier, never the blocks below them. Returns the blocks removed per tier."""
+        ...

@@ -22,6 +22,7 @@ from chatsvc.store.records import (
     ResponseRecord,
     SessionRecord,
     decode,
+    decode_tokens,
     encode,
     encode_tokens,
 )
@@ -29,6 +30,7 @@ from chatsvc.store.tree import (
     ROOT,
     branch_tokens,
     join_children,
+    leaf_paths,
     newest_continuation,
     split_children,
     split_prompt,
@@ -77,6 +79,30 @@ class BranchStore(TreeStore):
                 return None
         raws = found[0] if found else []
         return [None if r is None else decode(MessageRecord, r) for r in raws]
+
+    async def branch_histories(self, tenant_id: str, session_id: str) -> list[list[int]] | None:
+        """The token history of every branch, the active one first (its stored history),
+        read at one instant; None if the session is not visible. Leaves the TTL alone:
+        deleting reads it to find the KV to delete."""
+        check_id("tenant", tenant_id)
+        check_id("session", session_id)
+        with self._unavailable():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.get(self.keys.session(session_id))
+                pipe.get(self.keys.session_tokens(session_id))
+                pipe.hgetall(self.keys.session_nodes(session_id))
+                pipe.hgetall(self.keys.session_children(session_id))
+                raw, raw_tokens, raw_nodes, raw_children = await pipe.execute()
+        if self._owned(raw, tenant_id) is None:
+            return None
+        nodes = {k.decode(): decode(MessageRecord, v) for k, v in raw_nodes.items()}
+        children = {k.decode(): split_children(v) for k, v in raw_children.items()}
+        histories = [decode_tokens(raw_tokens) if raw_tokens else []]
+        for path in leaf_paths(nodes, children):
+            tokens = branch_tokens(path)
+            if tokens not in histories:
+                histories.append(tokens)
+        return histories
 
     async def _children(self, session_id: str) -> dict[str, list[str]]:
         raw = await self.redis.hgetall(self.keys.session_children(session_id))

@@ -63,6 +63,23 @@ def branch_tokens(messages: Sequence[MessageRecord]) -> list[int]:
     return tokens
 
 
+def leaf_paths(
+    nodes: Mapping[str, MessageRecord], children: Mapping[str, Sequence[str]]
+) -> list[list[MessageRecord]]:
+    """Every branch of the tree: the path from the top to each message with no child."""
+    paths = []
+    for leaf_id in sorted(nodes.keys() - {p for p, kids in children.items() if kids}):
+        path: list[MessageRecord] = []
+        seen: set[str] = set()
+        node = nodes.get(leaf_id)
+        while node is not None and node.id not in seen:  # never loop on a cycle
+            seen.add(node.id)
+            path.append(node)
+            node = nodes.get(node.parent_id) if node.parent_id else None
+        paths.append(path[::-1])
+    return paths
+
+
 def newest_continuation(children: Mapping[str, Sequence[str]], start: str) -> list[str]:
     """The ids below ``start`` when always following the newest child, down to a leaf."""
     chain: list[str] = []

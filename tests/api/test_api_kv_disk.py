@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.live_server import ThreadServer, wait_until
 from cache.forget import owner_digest
 from cache.hashing import ROOT_HASH, BlockHasher
 from chatsvc.config import Settings
 from chatsvc.engine.kv_disk.fileformat import parse_name
 from tests.api.conftest import ACME_KEY, ADMIN_KEY, BLOCK_SIZE, TEST_LIMITS, engine_config
-from bench.live_server import ThreadServer, wait_until
 from tests.http_helpers import client, new_session, say, unique
 from tests.redis_server import unique_prefix
 
@@ -186,3 +186,104 @@ def test_delete_of_a_session_that_shares_nothing_leaves_no_file_of_it(server, ac
     disk = admin.get("/admin/cache").json()["engine"]["disk"]
     assert disk["deleted_blocks"] > deleted_before
     assert acme.delete(f"/sessions/{session}").status_code == 404
+
+
+def test_delete_removes_the_files_of_every_branch_not_only_the_active_one(server, acme, admin):
+    salt = tenant_salt(server)
+    session = new_session(acme, system_prompt=unique(SYSTEM))["id"]
+    say(acme, session, unique("Tell me about Quito."), max_tokens=16)
+    say(acme, session, unique("What should I pack for it?"), max_tokens=24)
+    old_tokens = stored_tokens(server, session)
+    messages = acme.get(f"/sessions/{session}/messages").json()["messages"]
+    # An edit of the second question branches from the first answer; the edit then
+    # has its answer regenerated: three branches, the last one active.
+    turns = f"/sessions/{session}/messages"
+    body = {"max_tokens": 24, "temperature": 0}
+    edit = {"content": unique("And what to eat there?"), "parent_message_id": messages[2]["id"]}
+    assert acme.post(turns, json={**body, **edit}).status_code == 200
+    again = {"regenerate": True, "temperature": 1.0, "seed": 3}
+    assert acme.post(turns, json={**body, **again}).status_code == 200
+    settled(admin)
+    owner = owner_digest(salt, session)
+    files = files_of(server, owner)
+    active = set(chain(stored_tokens(server, session), salt))
+    others = set(chain(old_tokens, salt)) - active
+    # The branch the edit left holds blocks of its own, on disk under the session's tag.
+    assert others & set(files)
+
+    assert acme.delete(f"/sessions/{session}").status_code == 204
+    assert files_of(server, owner) == {}
+    assert all(not path.exists() for path in files.values())
+    assert admin.get("/admin/cache").json()["integrity"] == "ok"
+
+
+EDIT = "What is the weather like in every season, and what should I wear in each?"
+
+
+def _branched(server, acme, admin):
+    """A session of two turns whose second question was then edited: two branches,
+    the edit active. Returns (session, the edit's body, the first branch's tokens,
+    the edit's tokens)."""
+    session = new_session(acme, system_prompt=unique(SYSTEM))["id"]
+    say(acme, session, unique("Tell me about Bogota."), max_tokens=16)
+    say(acme, session, unique("Where should I stay?"), max_tokens=24)
+    first = stored_tokens(server, session)
+    answer = acme.get(f"/sessions/{session}/messages").json()["messages"][2]
+    edit = {"content": unique(EDIT), "parent_message_id": answer["id"], "temperature": 0}
+    turn = acme.post(f"/sessions/{session}/messages", json={"max_tokens": 24, **edit})
+    assert turn.status_code == 200, turn.text
+    settled(admin)
+    return session, edit, first, stored_tokens(server, session)
+
+
+def test_deleting_a_branch_removes_its_kv_and_keeps_the_branch_left(server, acme, admin):
+    salt = tenant_salt(server)
+    session, edit, kept, edited = _branched(server, acme, admin)
+    owner = owner_digest(salt, session)
+    kept_blocks = set(chain(kept, salt))
+    shared = [h for h in chain(edited, salt) if h in kept_blocks]
+    edit_only = set(chain(edited, salt)) - kept_blocks
+    files = files_of(server, owner)
+    assert shared and edit_only & set(files)
+    kept_files = kept_blocks & set(files)
+
+    edited_question = acme.get(f"/sessions/{session}/messages").json()["messages"][3]
+    assert edited_question["content"] == edit["content"]
+    path = f"/sessions/{session}/messages/{edited_question['id']}"
+    assert acme.delete(path).status_code == 204
+    left = set(files_of(server, owner))
+    assert not edit_only & left  # the deleted question's KV is gone from disk
+    assert kept_files <= left
+    assert stored_tokens(server, session) == kept
+    # The branch left still reuses its whole history.
+    usage = say(acme, session, unique("And the food?"))["usage"]
+    assert usage["cached_tokens"] == (len(kept) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # The deleted question asked again finds only the head both branches shared: its
+    # own blocks are gone from memory too.
+    again = acme.post(f"/sessions/{session}/messages", json={"max_tokens": 4, **edit})
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["cached_tokens"] == len(shared) * BLOCK_SIZE
+    assert admin.get("/admin/cache").json()["integrity"] == "ok"
+
+
+def test_deleting_a_conversation_item_removes_the_kv_rendered_with_it(server, acme, admin):
+    salt = tenant_salt(server)
+    session = new_session(acme, system_prompt=unique(SYSTEM))["id"]
+    say(acme, session, unique("My passport number is X1234567. Where can I fly?"))
+    say(acme, session, unique("And by train?"), max_tokens=16)
+    settled(admin)
+    before = stored_tokens(server, session)
+    owner = owner_digest(salt, session)
+    files = set(files_of(server, owner))
+    question = acme.get(f"/sessions/{session}/messages").json()["messages"][1]
+    assert "passport" in question["content"]
+
+    item = f"/v1/conversations/{session}/items/{question['id']}"
+    assert acme.delete(item).status_code == 200
+    # What follows the item stays (to be rendered again); the history now ends before it.
+    head = stored_tokens(server, session)
+    assert before[: len(head)] == head and len(head) < len(before)
+    head_blocks = set(chain(head, salt))
+    assert files - head_blocks  # the item's text and what followed it were on disk ...
+    assert set(files_of(server, owner)) <= head_blocks  # ... and every such file is gone
+    assert admin.get("/admin/cache").json()["integrity"] == "ok"

@@ -322,3 +322,16 @@ async def test_responses_live_in_their_session_and_go_with_what_only_they_use(st
         await store.delete_response(lone.id, only.id, lock=lock)
     assert [k async for k in raw.scan_iter(match=f"{store.keys.prefix}:*{lone_sid}*")] == []
     assert lone_sid.encode() not in await raw.zrange(store.keys.tenant_sessions(lone.id), 0, -1)
+
+
+async def test_branch_histories_lists_every_branch_the_active_one_first(chat, raw):
+    store, tenant, sid, ids = chat
+    await _turn(store, tenant, sid, ids["u2"], [], _answer("a2'", [6]), [1, 2, 3, 4])
+    await _turn(store, tenant, sid, ids["a1"], [_user("u2''")], _answer("a3", [8]), [1, 2, 3, 7])
+    ttl = await raw.pttl(store.keys.session(sid))
+    histories = await store.branch_histories(tenant.id, sid)
+    assert histories[0] == [1, 2, 3, 7, 8]  # the active branch: the edit
+    assert sorted(histories[1:]) == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]
+    assert await raw.pttl(store.keys.session(sid)) <= ttl  # a read for deleting: no refresh
+    other = await new_tenant(store)
+    assert await store.branch_histories(other.id, sid) is None  # another tenant's session

@@ -9,6 +9,7 @@ from chatsvc.store.tree import (
     branch_tokens,
     chain_children,
     join_children,
+    leaf_paths,
     link_chain,
     newest_continuation,
     split_children,
@@ -83,3 +84,19 @@ def test_response_ids_name_their_session_and_nothing_else():
         "resp_" + "a" * 70 + "_0123456789abcdef",
     ):
         assert response_session(bad) is None, bad
+
+
+def test_leaf_paths_are_every_branch_from_the_top():
+    def node(id_, parent, ids):
+        return MessageRecord(role="user", text=id_, token_ids=ids, id=id_, parent_id=parent)
+
+    nodes = {n.id: n for n in [node("a", None, [1]), node("b", "a", [2]), node("c", "a", [3])]}
+    nodes["d"] = node("d", "c", [4])
+    children = {ROOT: ["a"], "a": ["b", "c"], "c": ["d"]}
+    paths = leaf_paths(nodes, children)
+    assert [[m.id for m in p] for p in paths] == [["a", "b"], ["a", "c", "d"]]
+    assert [branch_tokens(p) for p in paths] == [[1, 2], [1, 3, 4]]
+    assert leaf_paths({}, {}) == []
+    # A cycle is never written; the walk still ends on one.
+    looped = {"x": node("x", "y", []), "y": node("y", "x", [])}
+    assert [len(p) for p in leaf_paths(looped, {})] == [2, 2]
