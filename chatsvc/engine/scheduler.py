@@ -24,7 +24,9 @@ sequences (``max_num_seqs``). Order of business:
    skipped for this step, so it is admitted a step or two later with a full
    hit instead of computing the same prefix again. At most
    ``max_defer_steps`` times per sequence; preempted and aged sequences are
-   never deferred.
+   never deferred. A prefix may also be on its way from disk (a LOADING
+   sequence's blocks are pending too): steps that only wait on loads do not
+   count, for deferral or aging (``_tick``).
 
 Out of blocks: the cache already evicts unreferenced cached blocks itself (to
 the host tier when it has one). When that is not enough for a decode, the
@@ -108,7 +110,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[int, Sequence] = {}
-        self.num_steps = 0
+        self.num_steps = 0  # the queue's clock (aging, deferral): see _tick
+        self._computed = True  # the last step computed something
         self.num_preemptions = 0
         self.num_deferrals = 0
 
@@ -164,7 +167,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; mutates the cache (slots, allocations, preemptions)."""
-        self.num_steps += 1
+        ticks = self._tick()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
@@ -192,8 +195,23 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= chunk
 
-        self._admit(budget, out)
+        self._admit(budget, out, ticks)
+        self._computed = bool(out.scheduled)
         return out
+
+    def _tick(self) -> bool:
+        """Advance the queue's clock, unless the last step only waited on disk loads.
+
+        While nothing computes and loads are in flight, the loop wakes once per
+        block read: such steps would age waiting requests and use up their
+        deferral within milliseconds, and a twin of a loading prompt would then
+        load the same prefix again (holding its blocks twice). A load lands in
+        bounded time, so the deferral stays bounded.
+        """
+        if not self._computed and self.loading:
+            return False
+        self.num_steps += 1
+        return True
 
     def _append_decode_slot(
         self, seq: Sequence, scheduled_ids: set[int], out: SchedulerOutput
@@ -239,7 +257,7 @@ class Scheduler:
             chain.extend(seq.output_token_ids[chain.num_tokens - seq.num_prompt_tokens :])
         return chain
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput, ticks: bool) -> None:
         if budget == 0 or not self.waiting:
             return
         urgent, ranked = self._ranked_waiting()
@@ -261,7 +279,7 @@ class Scheduler:
                 and match.num_pending_tokens
                 and seq.num_deferred_steps < self.config.max_defer_steps
             ):
-                seq.num_deferred_steps += 1
+                seq.num_deferred_steps += ticks
                 self.num_deferrals += 1
                 continue
             needed = match.num_blocks_needed

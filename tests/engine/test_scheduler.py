@@ -270,3 +270,41 @@ def test_a_waiting_prompt_is_hashed_once_from_ranking_to_indexing(monkeypatch):
     # tokens (its prompt and 7 of its 8 outputs), 7 blocks.
     assert len(hashed) == len(set(hashed)) == 5 + 7
     assert second.output_token_ids == [7] * 8
+
+
+def test_twins_of_a_prompt_loading_from_disk_wait_for_it_instead_of_loading_it_again():
+    from cache.disk_tier import DiskIndex
+
+    clock = itertools.count(1000).__next__
+    disk = DiskIndex(100, 100_000)
+    prefix = list(range(800, 824))  # 6 blocks, on disk from an earlier process
+    before, _ = make()
+    before.attach_disk(disk, clock)
+    before.allocate("earlier", [*prefix, 1], NS)
+    before.mark_computed("earlier", len(prefix) + 1)
+    for store in before.take_stores():
+        assert disk.reserve(store.hash, store.parent_hash, store.owner, store.shared).granted
+        assert disk.finish_write(store.hash, clock(), ok=True)
+
+    cache, sched = make(max_defer_steps=2, max_wait_steps=3)
+    cache.attach_disk(disk, clock)
+    first, twin = make_seq([*prefix, 2], max_tokens=1), make_seq([*prefix, 3], max_tokens=1)
+    sched.add(first)
+    sched.add(twin)
+    out = sched.schedule()
+    assert [(seq, len(loads)) for seq, loads in out.loads] == [(first, 6)]
+    # The loop wakes once per block read while nothing computes: far more steps than
+    # the deferral and aging bounds, and the twin still waits rather than load again.
+    for _ in range(10):
+        out = sched.schedule()
+        assert not out.scheduled and not out.loads
+    assert twin.status is SequenceStatus.WAITING and twin.num_deferred_steps == 1
+    sched.finish_loading(first, 6)
+    out = step(sched, cache)
+    assert {item.seq for item in out.scheduled} == {first, twin} and not out.loads
+    assert twin.num_cached_tokens == len(prefix) and first.num_cached_tokens == len(prefix)
+    assert cache.stats_snapshot()["hit_tokens_by_tier"] == {
+        "device": len(prefix),
+        "host": 0,
+        "disk": len(prefix),
+    }
