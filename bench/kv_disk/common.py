@@ -63,7 +63,7 @@ async def run_turn(
     prompt = conv.history + fmt.tokenize(
         f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
     )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=0.0)
     request = GenerationRequest(f"{tag}c{conv.conv}-t{turn}", prompt, params, conv.namespace)
     start = time.perf_counter()
     first = None
@@ -99,6 +99,8 @@ def engine_config(args, **overrides) -> EngineConfig:
         max_num_batched_tokens=args.batch_tokens,
         num_threads=args.threads,
     )
+    if args.kv_disk_bytes is not None:
+        values["kv_disk_bytes"] = args.kv_disk_bytes
     values.update(overrides)
     return EngineConfig(**values)
 
@@ -140,6 +142,15 @@ def add_common_args(parser) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batch-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64, help="answer length cap")
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, help="answer length floor (end-of-turn waits)"
+    )
     parser.add_argument("--question-words", type=int, default=60, help="~1.5 tokens each")
     parser.add_argument("--system-repeat", type=int, default=6, help="~30 tokens each")
     parser.add_argument("--kv-dir", default=None, help="default: a temporary directory")
+    parser.add_argument(
+        "--kv-disk-bytes",
+        type=int,
+        default=None,
+        help="disk tier budget (default: the tier's automatic one, a share of the free space)",
+    )

@@ -2,7 +2,12 @@
 
     .venv/bin/python -m bench.kv_disk.warm_restart [--sessions 32] [--turns 4]
         [--max-tokens 64] [--question-words 60] [--system-repeat 6]
-        [--arrival at-once|one-at-a-time|both]
+        [--arrival at-once|one-at-a-time|both] [--min-tokens N]
+
+The defaults ask long questions (60 words) and cap answers at 64 tokens; chat
+traffic is closer to short questions and long answers (docs/benchmarks.md runs
+``--question-words 20 --max-tokens 256 --min-tokens 200`` beside the defaults):
+the turn's own new tokens are then few, which is where a restart's cost shows.
 
 Phase 1: ``--sessions`` conversations run ``--turns`` turns each (concurrently,
 each one turn after another) on an engine with the disk tier on; the script

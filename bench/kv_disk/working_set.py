@@ -1,7 +1,7 @@
 """A working set ten times the pool: many idle-then-active sessions, with and without disk.
 
     .venv/bin/python -m bench.kv_disk.working_set [--sessions 200] [--turns 6]
-        [--think-time 20] [--pool-fraction 0.1]
+        [--think-time 20] [--pool-fraction 0.1] [--kv-disk-bytes N]
 
 ``--sessions`` conversations of ``--turns`` turns each; before every later turn
 a user thinks uniform 0..``--think-time`` s (seeded, the same in every run), so
@@ -14,6 +14,10 @@ most sessions sit idle at any moment, as in real chat traffic. Three runs:
 ``--compare-write-back`` adds a disk-on run in write-back mode, to set its
 disk traffic and TTFT beside write-through's (and how much of the KV either
 leaves on disk should the process die before a clean stop).
+
+``--kv-disk-bytes`` sets the disk budget; by default it is the tier's automatic
+one (a share of the free space), which may hold less than the sessions' KV:
+the disk-on run prints its budget in blocks beside the blocks in all.
 
 Printed per run: the prefix hit rate against the ideal (every token some
 earlier request computed, at block granularity, never the last prompt token),
@@ -93,7 +97,10 @@ def report(name: str, run: dict, turns: int) -> None:
         f"preemptions {stats['num_preemptions']}"
     )
     if "loaded_blocks" in disk:
-        print(f"disk: {disk['blocks']} blocks on disk before shutdown ({disk['write_mode']})")
+        print(
+            f"disk: {disk['blocks']} blocks on disk before shutdown ({disk['write_mode']}); "
+            f"budget {disk['budget_bytes'] / 2**30:.1f} GiB = {disk['total']} blocks"
+        )
         print(
             f"disk: loaded {disk['loaded_blocks']} blocks "
             f"({disk['loaded_bytes'] / 2**20:.0f} MiB), "
