@@ -82,6 +82,7 @@ class EngineConfig:
     kv_disk_fsync: bool = False  # fsync each block file (a checksum catches torn ones anyway)
     kv_disk_queue_blocks: int = 64  # block writes in flight; more are dropped, never waited for
     kv_disk_retry_s: int = 10  # writes pause this long after a write error
+    kv_disk_load_threads: int = 2  # threads reading blocks back (one of them also writes)
     data_dir: str | None = None
 
     @property
@@ -119,6 +120,8 @@ class EngineConfig:
             )
         if self.kv_disk_queue_blocks < 1 or self.kv_disk_retry_s < 0:
             raise ValueError("kv_disk_queue_blocks must be >= 1 and kv_disk_retry_s >= 0")
+        if self.kv_disk_load_threads < 1:
+            raise ValueError(f"kv_disk_load_threads must be >= 1, got {self.kv_disk_load_threads}")
         return self
 
     def num_blocks_for(self, block_bytes: int) -> int:

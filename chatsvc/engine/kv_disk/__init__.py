@@ -57,6 +57,7 @@ def open_disk_tier(config, loaded, cache, runner, clock=None) -> DiskTier | None
         fsync=config.kv_disk_fsync,
         queue_blocks=config.kv_disk_queue_blocks,
         retry_s=float(config.kv_disk_retry_s),
+        load_threads=config.kv_disk_load_threads,
     )
     kwargs = {} if clock is None else {"clock": clock}
     try:

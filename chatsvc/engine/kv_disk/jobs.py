@@ -97,14 +97,24 @@ def _write_file(path: Path, parts: list, fsync: bool) -> None:
         raise
 
 
+class LoadGroup:
+    """The loads of one sequence: the I/O threads count them down (under their lock)."""
+
+    __slots__ = ("remaining",)
+
+    def __init__(self, count: int) -> None:
+        self.remaining = count
+
+
 class LoadJob:
     """Read one block into the pool block its sequence holds, and verify it.
 
     On a CPU pool ``dest`` is the pool block's own memory: one ``preadv`` fills
-    the header buffer and the block. With a CUDA pool ``dest`` is a pinned
-    staging buffer, copied to ``device_block`` on the worker's stream once
-    verified (after ``ready``: the step's plans, which may have held the block's
-    previous data, ran first).
+    the header buffer and the block. With a CUDA pool ``dest`` is a pool of
+    pinned staging buffers (one per load thread, so one is always free): the
+    block is read into one, and copied to ``device_block`` on the worker's
+    stream once verified (after ``ready``: the step's plans, which may have held
+    the block's previous data, ran first).
     """
 
     kind = "load"
@@ -132,6 +142,7 @@ class LoadJob:
         self.device_block = device_block
         self.ready = ready
         self.stream = stream
+        self.group: LoadGroup | None = None
         self.result = READ_ERROR
         self.error: OSError | None = None
         self.submitted = time.perf_counter()
@@ -146,9 +157,18 @@ class LoadJob:
         self.latency_s = time.perf_counter() - self.submitted
 
     def _read(self) -> str:
+        if self.device_block is None:
+            return self._read_into(self.dest)
+        staging = self.dest.take()
+        try:
+            return self._read_into(staging)
+        finally:
+            staging.release()
+
+    def _read_into(self, dest) -> str:
         load = self.load
         header = bytearray(header_len(len(load.token_ids)))
-        data = self.dest.view
+        data = dest.view
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -178,28 +198,28 @@ class LoadJob:
         if result != OK:
             return result
         if self.device_block is not None:
-            self._to_device()
+            self._to_device(dest)
         try:
             os.utime(self.path)  # the block's recency survives a restart
         except OSError:
             pass
         return OK
 
-    def _to_device(self) -> None:
+    def _to_device(self, staging) -> None:
         import torch
 
         with torch.cuda.stream(self.stream):
             if self.ready is not None:
                 self.stream.wait_event(self.ready)
-            self.device_block.copy_(self.dest.tensor, non_blocking=True)
+            self.device_block.copy_(staging.tensor, non_blocking=True)
         self.stream.synchronize()
 
 
 class PrefetchJob:
     """Ask the kernel to start reading a request's block files now, all at once.
 
-    The loads then run one after another on one thread, but their data is
-    already on its way: the disk sees many reads in flight, not one at a time.
+    The loads then run on the few load threads, but their data is already on
+    its way: the disk sees many reads in flight, not one per thread.
     """
 
     kind = "prefetch"

@@ -1,14 +1,16 @@
 """DiskTier: the engine's disk tier, between the cache's bookkeeping and the files.
 
-Everything here runs on the engine thread, between or inside steps, and
-never waits for the disk: writes and loads are jobs for the I/O thread
-(``worker``), whose results are applied at the start of the next step.
+Everything here runs on the engine thread, between or inside steps: writes
+and loads are jobs for the I/O threads (``worker``), whose results are
+applied at the start of the next step. Nothing waits for a write; the only
+wait for loads is ``yield_to_loads`` (CPU pools, steps that decode nothing,
+bounded).
 
     step N   scheduler admits a prompt whose match continues on disk: its blocks
              are allocated, the sequence waits in LOADING (``cache.allocate`` ->
              loads); after the step's plans ran, the loads are queued
              (``submit_loads``: a plan may have held those blocks' old data)
-    I/O      each block read straight into its pool block (CPU) or through a
+    I/O      on the load threads, each block read straight into its pool block (CPU) or through a
              pinned buffer (CUDA), verified (checksum, fingerprint, hash, parent,
              tokens, namespace)
     step N+k ``before_step``: the verified prefix of the loads counts as computed;
@@ -45,6 +47,7 @@ from chatsvc.engine.kv_disk.jobs import (
     MISSING,
     BarrierJob,
     DeleteJob,
+    LoadGroup,
     LoadJob,
     PrefetchJob,
     WriteJob,
@@ -55,6 +58,7 @@ from chatsvc.engine.kv_disk.worker import IOWorker
 log = logging.getLogger(__name__)
 BUDGET_RECHECK_S = 30.0
 IDLE_WAIT_S = 0.05
+LOADS_FIRST_MAX_S = 0.5  # the longest a step without decodes lets loads run first (CPU)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class DiskSettings:
     fsync: bool = False
     queue_blocks: int = 64  # snapshot buffers: stores in flight at most
     retry_s: float = 10.0  # pause of writes after a write error
+    load_threads: int = 2  # I/O threads that read blocks (the first also runs the writes)
 
 
 class _Loading:
@@ -114,9 +119,12 @@ class DiskTier:
         self.clock = clock
         self.cuda = kv_pool.device.type == "cuda"
         self.stats = DiskStats()
-        self.worker = IOWorker()
+        self.worker = IOWorker(num_loaders=settings.load_threads)
         self.buffers = BufferPool(settings.queue_blocks, block_nbytes, pin=self.cuda)
-        self._staging = BufferPool(1, block_nbytes, pin=True).take() if self.cuda else None
+        # One pinned staging buffer per load thread: a load always finds one free.
+        self._staging = (
+            BufferPool(settings.load_threads, block_nbytes, pin=True) if self.cuda else None
+        )
         self._copy_stream = torch.cuda.Stream(kv_pool.device) if self.cuda else None
         self._loading: dict[object, _Loading] = {}
         self._unsubmitted: list = []
@@ -213,11 +221,30 @@ class DiskTier:
                 jobs.append(job)
             if len(jobs) > 1:
                 self.worker.submit_urgent(PrefetchJob([job.path for job in jobs]))
+            group = LoadGroup(len(jobs))
             for job in jobs:
+                job.group = group
                 self.worker.submit_urgent(job)
             if state.remaining == 0:
                 self._unsubmitted.append(state)
         out.loads.clear()
+
+    def yield_to_loads(self, out) -> None:
+        """On a CPU pool, let the loads in flight have the cores before a step that
+        decodes nothing (for at most ``LOADS_FIRST_MAX_S``).
+
+        There the loads and the forward share the cores: a prefill computed beside
+        a burst of loads is slowed by more than the loads take alone (its OpenMP
+        team stalls at every barrier whose peer a load thread displaced), and the
+        loads are slowed too. A step with no decode in it holds up no stream by
+        waiting, and the sequences that land join the next step. On CUDA the forward
+        runs on the device and the reads beside it: nothing waits there.
+        """
+        if self.cuda or not self._loading or not out.scheduled:
+            return
+        if any(item.seq.is_decode for item in out.scheduled):
+            return
+        self.worker.wait_for_loads(LOADS_FIRST_MAX_S)
 
     def after_step(self, out, scheduler) -> None:
         """Store the blocks this step indexed (write-through); wait a little when idle."""

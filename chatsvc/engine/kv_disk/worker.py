@@ -1,10 +1,21 @@
-"""The disk tier's I/O thread: runs jobs off the engine's step loop.
+"""The disk tier's I/O threads: run jobs off the engine's step loop.
 
-Two queues: loads first (a request waits on them), then the rest in order
-(writes, deletes, barriers), so a delete queued after a write of the same
-block always runs after it. Writes are bounded by the snapshot buffers the
-engine hands out; nothing here ever blocks the submitter. Finished jobs are
-collected by the engine thread with ``take_done`` between steps.
+Two queues: loads (a request waits on them) and the rest, in order (writes,
+deletes, barriers). One thread takes loads first, then the ordered jobs one
+at a time, so a delete queued after a write of the same block always runs
+after it; ``num_loaders - 1`` more threads take only loads, so a burst of
+returning sessions reads several blocks at once (the reads, the checksum and
+the copy release the GIL). Loads need no order among themselves: each one
+fills its own pool block and reports its own index. Writes are bounded by the
+snapshot buffers the engine hands out; nothing here ever blocks the
+submitter. Finished jobs are collected by the engine thread with
+``take_done`` between steps.
+
+``finished`` wakes a waiting engine once per job, except for loads: those of
+one sequence share a ``LoadGroup`` and wake it once, when the last one lands.
+An engine with nothing to compute would otherwise run a step per block read,
+and each such step holds the GIL the load threads need between their system
+calls (docs/cache.md, "Never blocking").
 """
 
 from __future__ import annotations
@@ -14,28 +25,40 @@ from collections import deque
 
 
 class IOWorker:
-    """One daemon thread executing ``job.run()``; ``close`` drains and joins it."""
+    """Daemon threads executing ``job.run()``; ``close`` drains and joins them."""
 
-    def __init__(self, name: str = "chatsvc-kv-disk") -> None:
+    def __init__(self, name: str = "chatsvc-kv-disk", num_loaders: int = 1) -> None:
+        if num_loaders < 1:
+            raise ValueError(f"num_loaders must be >= 1, got {num_loaders}")
         self._urgent: deque = deque()
         self._ordered: deque = deque()
         self._done: list = []
         self._cond = threading.Condition()
         self._stopping = False
         self._busy = 0
-        self.finished = threading.Event()  # set whenever a job completes
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._busy_urgent = 0
+        self.finished = threading.Event()  # set when a job completes (see the docstring)
+        self._threads = [threading.Thread(target=self._run, args=(True,), name=name, daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._run, args=(False,), name=f"{name}-load{i}", daemon=True)
+            for i in range(1, num_loaders)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def num_loaders(self) -> int:
+        return len(self._threads)
 
     def submit_urgent(self, job) -> None:
         with self._cond:
             self._urgent.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def submit(self, job) -> None:
         with self._cond:
             self._ordered.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def take_done(self) -> list:
         with self._cond:
@@ -52,30 +75,54 @@ class IOWorker:
         """Wait until some job finished (or ``timeout_s``); True if one did."""
         return self.finished.wait(timeout_s)
 
+    def wait_for_loads(self, timeout_s: float) -> bool:
+        """Wait until no load is queued or running (or ``timeout_s``); True if none is."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._urgent and not self._busy_urgent, timeout_s
+            )
+
     def close(self) -> None:
-        """Run what is queued, then stop the thread."""
+        """Run what is queued, then stop the threads."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
-        self._thread.join()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._urgent or self._ordered or self._stopping):
-                    self._cond.wait()
+    def _next(self, ordered: bool):
+        """The thread's next job and whether it is a load, or None once stopping with
+        nothing left for it."""
+        with self._cond:
+            while True:
                 if self._urgent:
-                    job = self._urgent.popleft()
-                elif self._ordered:
-                    job = self._ordered.popleft()
-                else:
-                    return
-                self._busy = 1
+                    job, urgent = self._urgent.popleft(), True
+                    break
+                if ordered and self._ordered:
+                    job, urgent = self._ordered.popleft(), False
+                    break
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            self._busy += 1
+            self._busy_urgent += urgent
+            return job, urgent
+
+    def _run(self, ordered: bool) -> None:
+        while (taken := self._next(ordered)) is not None:
+            job, urgent = taken
             try:
                 job.run()
             except Exception as exc:  # noqa: BLE001 - a bug in a job must not kill the tier
                 job.error = exc
             with self._cond:
-                self._busy = 0
+                self._busy -= 1
+                self._busy_urgent -= urgent
+                if urgent and not self._urgent and not self._busy_urgent:
+                    self._cond.notify_all()  # wait_for_loads
                 self._done.append(job)
-                self.finished.set()
+                group = getattr(job, "group", None)
+                if group is not None:
+                    group.remaining -= 1
+                if group is None or group.remaining == 0:
+                    self.finished.set()

@@ -1,0 +1,182 @@
+"""The disk tier's I/O threads: loads in parallel, everything else in order on one thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from chatsvc.engine.kv_disk.jobs import BarrierJob, LoadGroup
+from chatsvc.engine.kv_disk.worker import IOWorker
+
+
+class _Rendezvous:
+    """A load that only finishes if ``parties`` of them run at the same time."""
+
+    kind = "load"
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        self.barrier = barrier
+        self.error = None
+        self.thread = None
+
+    def run(self) -> None:
+        self.thread = threading.current_thread().name
+        self.barrier.wait()  # raises BrokenBarrierError after the barrier's timeout
+
+
+class _Record:
+    """An ordered job that notes where and in which order it ran."""
+
+    kind = "delete"
+
+    def __init__(self, log: list, index: int) -> None:
+        self.log = log
+        self.index = index
+        self.error = None
+
+    def run(self) -> None:
+        self.log.append((self.index, threading.current_thread().name))
+
+
+def _drain(worker: IOWorker, count: int) -> list:
+    done: list = []
+    while len(done) < count:
+        assert worker.wait(10.0), "a job never finished"
+        done += worker.take_done()
+    return done
+
+
+def test_loads_run_on_several_threads_at_once():
+    worker = IOWorker("t", num_loaders=3)
+    try:
+        barrier = threading.Barrier(3, timeout=10.0)
+        jobs = [_Rendezvous(barrier) for _ in range(3)]
+        for job in jobs:
+            worker.submit_urgent(job)
+        _drain(worker, 3)
+    finally:
+        worker.close()
+    assert [job.error for job in jobs] == [None, None, None]
+    assert len({job.thread for job in jobs}) == 3
+
+
+def test_one_loader_reads_one_block_at_a_time():
+    worker = IOWorker("t", num_loaders=1)
+    try:
+        barrier = threading.Barrier(2, timeout=0.3)
+        jobs = [_Rendezvous(barrier) for _ in range(2)]
+        for job in jobs:
+            worker.submit_urgent(job)
+        _drain(worker, 2)
+    finally:
+        worker.close()
+    assert all(isinstance(job.error, threading.BrokenBarrierError) for job in jobs)
+
+
+def test_ordered_jobs_keep_their_order_on_one_thread_while_loads_run_beside_them():
+    worker = IOWorker("t", num_loaders=4)
+    log: list = []
+    try:
+        for i in range(200):
+            worker.submit(_Record(log, i))
+            if i % 10 == 0:
+                worker.submit_urgent(_Record([], -1))
+        barrier = BarrierJob()
+        worker.submit(barrier)
+        barrier.future.result(timeout=10.0)
+        # Everything queued before the barrier in the ordered queue has run.
+        assert [index for index, _ in log] == list(range(200))
+        assert len({thread for _, thread in log}) == 1
+    finally:
+        worker.close()
+
+
+def test_close_runs_what_is_queued_and_stops_every_thread():
+    worker = IOWorker("t", num_loaders=3)
+    log: list = []
+    for i in range(50):
+        worker.submit_urgent(_Record(log, i))
+        worker.submit(_Record(log, 100 + i))
+    worker.close()
+    assert sorted(index for index, _ in log) == [*range(50), *range(100, 150)]
+    assert worker.num_queued == 0
+    assert not any(thread.is_alive() for thread in worker._threads)  # noqa: SLF001
+
+
+def test_a_failing_job_is_reported_and_the_threads_go_on():
+    class Broken:
+        kind = "load"
+        error = None
+
+        def run(self):
+            raise RuntimeError("bug")
+
+    worker = IOWorker("t", num_loaders=2)
+    log: list = []
+    try:
+        worker.submit_urgent(Broken())
+        worker.submit_urgent(Broken())
+        worker.submit(_Record(log, 0))
+        done = _drain(worker, 3)
+    finally:
+        worker.close()
+    assert sorted(type(job.error).__name__ for job in done) == ["NoneType", *["RuntimeError"] * 2]
+    assert log and log[0][0] == 0
+
+
+def test_at_least_one_thread():
+    with pytest.raises(ValueError, match="num_loaders"):
+        IOWorker("t", num_loaders=0)
+
+
+class _Gated:
+    """A load that runs until its gate opens; ``group`` as the tier sets it."""
+
+    kind = "load"
+
+    def __init__(self, group=None) -> None:
+        self.gate = threading.Event()
+        self.group = group
+        self.error = None
+
+    def run(self) -> None:
+        assert self.gate.wait(10.0)
+
+
+def test_the_loads_of_one_sequence_wake_the_engine_once_when_the_last_lands():
+    worker = IOWorker("t", num_loaders=2)
+    try:
+        group = LoadGroup(2)
+        first, second = _Gated(group), _Gated(group)
+        worker.submit_urgent(first)
+        worker.submit_urgent(second)
+        first.gate.set()
+        while worker.num_queued > 1:
+            threading.Event().wait(0.01)
+        assert not worker.finished.is_set()  # one of two landed: nothing to do yet
+        assert [job is first for job in worker.take_done()] == [True]
+        second.gate.set()
+        assert worker.wait(10.0)
+        assert worker.take_done() == [second]
+    finally:
+        worker.close()
+
+
+def test_waiting_for_loads_ends_when_the_last_load_ends_or_at_the_timeout():
+    worker = IOWorker("t", num_loaders=2)
+    try:
+        loads = [_Gated(), _Gated()]
+        write = _Gated()
+        worker.submit(write)  # an ordered job running is not a load
+        for job in loads:
+            worker.submit_urgent(job)
+        assert not worker.wait_for_loads(0.05)
+        loads[0].gate.set()
+        assert not worker.wait_for_loads(0.05)
+        loads[1].gate.set()
+        assert worker.wait_for_loads(10.0)
+        assert worker.num_queued == 1  # the write still runs
+        write.gate.set()
+    finally:
+        worker.close()
