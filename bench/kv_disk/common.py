@@ -101,6 +101,10 @@ def engine_config(args, **overrides) -> EngineConfig:
     )
     if args.kv_disk_bytes is not None:
         values["kv_disk_bytes"] = args.kv_disk_bytes
+    if args.load_threads is not None:
+        values["kv_disk_load_threads"] = args.load_threads
+    if args.kv_cache_bytes is not None:
+        values["kv_cache_bytes"] = args.kv_cache_bytes
     values.update(overrides)
     return EngineConfig(**values)
 
@@ -153,4 +157,13 @@ def add_common_args(parser) -> None:
         type=int,
         default=None,
         help="disk tier budget (default: the tier's automatic one, a share of the free space)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="device pool bytes (default 1 GiB: 2,880 blocks in bf16, half that in fp32)",
+    )
+    parser.add_argument(
+        "--load-threads", type=int, default=None, help="disk tier load threads (default: 2)"
     )

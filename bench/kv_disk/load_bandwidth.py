@@ -1,12 +1,12 @@
 """Disk tier load bandwidth against the disk's own sequential read, in the same run.
 
     .venv/bin/python -m bench.kv_disk.load_bandwidth [--blocks 1024] [--dtype bf16]
-        [--dir DIR] [--cold]
+        [--dir DIR] [--cold] [--load-threads 2]
 
 Writes ``--blocks`` block files of the default model's KV shape (random data)
 through the tier's own write job, then loads them all as the tier loads one
 request's blocks (a readahead hint for every file, then one ``preadv`` per
-block into a pool block on the I/O thread, then the checks: checksum,
+block into a pool block on the tier's load threads, then the checks: checksum,
 fingerprint, hash, parent, tokens), and reads one plain file of the
 same total size sequentially (a Python read loop with an 8 MiB buffer, and
 ``dd`` when present). ``--cold`` drops the page cache before each read
@@ -73,8 +73,8 @@ def write_blocks(directory: TierDirectory, pool: torch.Tensor, block_size: int):
     return loads, time.perf_counter() - start
 
 
-def load_blocks(directory, loads, pool, nbytes) -> tuple[float, int]:
-    worker = IOWorker("bench-loads")
+def load_blocks(directory, loads, pool, nbytes, threads: int) -> tuple[float, int]:
+    worker = IOWorker("bench-loads", num_loaders=threads)
     jobs = []
     for i, (load, meta) in enumerate(loads):
         dest = PoolBlock(pool, load.device_block)
@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--cold", action="store_true", help="drop the page cache (root)")
+    parser.add_argument("--load-threads", type=int, default=2, help="as the tier's default")
     args = parser.parse_args()
     # One torch thread: OpenMP workers spinning after each torch op would take the
     # CPU from the I/O thread being measured (see docs/cache.md, "Disk tier").
@@ -143,7 +144,7 @@ def main() -> None:
         loads, write_s = write_blocks(directory, source, args.block_size)
         target = new_kv_pool(args.blocks, shape, dtype, "cpu")
         cold = args.cold and drop_caches()
-        load_s, num_ok = load_blocks(directory, loads, target, nbytes)
+        load_s, num_ok = load_blocks(directory, loads, target, nbytes, args.load_threads)
         exact = torch.equal(source, target)
         total = args.blocks * file_bytes
         plain = root / "sequential.bin"
@@ -167,7 +168,8 @@ def main() -> None:
         f"write through the tier : {args.blocks / write_s:8.0f} blocks/s {gb / write_s:6.2f} GB/s"
     )
     print(
-        f"load through the tier  : {args.blocks / load_s:8.0f} blocks/s {gb / load_s:6.2f} GB/s "
+        f"load, {args.load_threads} thread(s)    : {args.blocks / load_s:8.0f} blocks/s "
+        f"{gb / load_s:6.2f} GB/s "
         f"({num_ok}/{args.blocks} verified, data {'exact' if exact else 'DIFFERENT'})"
     )
     print(f"sequential read (loop) : {'':>8}          {gb / seq_s:6.2f} GB/s")
