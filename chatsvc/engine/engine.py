@@ -228,10 +228,8 @@ class LLMEngine:
         self.runner.execute_plans(out.plans)
         if disk is not None:
             # After the plans (one may have held the blocks' old data), before the
-            # forward, so the reads overlap the step's compute (on a CPU, a step
-            # that decodes nothing lets them have the cores first).
+            # forward, so the reads overlap the step's compute.
             disk.submit_loads(out)
-            disk.yield_to_loads(out)
         completing, logits = [], None
         if out.scheduled:
             items, logits = self._forward(out.scheduled, outputs)

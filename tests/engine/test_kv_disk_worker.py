@@ -161,22 +161,3 @@ def test_the_loads_of_one_sequence_wake_the_engine_once_when_the_last_lands():
         assert worker.take_done() == [second]
     finally:
         worker.close()
-
-
-def test_waiting_for_loads_ends_when_the_last_load_ends_or_at_the_timeout():
-    worker = IOWorker("t", num_loaders=2)
-    try:
-        loads = [_Gated(), _Gated()]
-        write = _Gated()
-        worker.submit(write)  # an ordered job running is not a load
-        for job in loads:
-            worker.submit_urgent(job)
-        assert not worker.wait_for_loads(0.05)
-        loads[0].gate.set()
-        assert not worker.wait_for_loads(0.05)
-        loads[1].gate.set()
-        assert worker.wait_for_loads(10.0)
-        assert worker.num_queued == 1  # the write still runs
-        write.gate.set()
-    finally:
-        worker.close()

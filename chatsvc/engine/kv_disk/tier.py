@@ -2,9 +2,7 @@
 
 Everything here runs on the engine thread, between or inside steps: writes
 and loads are jobs for the I/O threads (``worker``), whose results are
-applied at the start of the next step. Nothing waits for a write; the only
-wait for loads is ``yield_to_loads`` (CPU pools, steps that decode nothing,
-bounded).
+applied at the start of the next step; the step loop never waits for them.
 
     step N   scheduler admits a prompt whose match continues on disk: its blocks
              are allocated, the sequence waits in LOADING (``cache.allocate`` ->
@@ -58,7 +56,6 @@ from chatsvc.engine.kv_disk.worker import IOWorker
 log = logging.getLogger(__name__)
 BUDGET_RECHECK_S = 30.0
 IDLE_WAIT_S = 0.05
-LOADS_FIRST_MAX_S = 0.5  # the longest a step without decodes lets loads run first (CPU)
 
 
 @dataclass(frozen=True)
@@ -228,23 +225,6 @@ class DiskTier:
             if state.remaining == 0:
                 self._unsubmitted.append(state)
         out.loads.clear()
-
-    def yield_to_loads(self, out) -> None:
-        """On a CPU pool, let the loads in flight have the cores before a step that
-        decodes nothing (for at most ``LOADS_FIRST_MAX_S``).
-
-        There the loads and the forward share the cores: a prefill computed beside
-        a burst of loads is slowed by more than the loads take alone (its OpenMP
-        team stalls at every barrier whose peer a load thread displaced), and the
-        loads are slowed too. A step with no decode in it holds up no stream by
-        waiting, and the sequences that land join the next step. On CUDA the forward
-        runs on the device and the reads beside it: nothing waits there.
-        """
-        if self.cuda or not self._loading or not out.scheduled:
-            return
-        if any(item.seq.is_decode for item in out.scheduled):
-            return
-        self.worker.wait_for_loads(LOADS_FIRST_MAX_S)
 
     def after_step(self, out, scheduler) -> None:
         """Store the blocks this step indexed (write-through); wait a little when idle."""

@@ -36,7 +36,6 @@ class IOWorker:
         self._cond = threading.Condition()
         self._stopping = False
         self._busy = 0
-        self._busy_urgent = 0
         self.finished = threading.Event()  # set when a job completes (see the docstring)
         self._threads = [threading.Thread(target=self._run, args=(True,), name=name, daemon=True)]
         self._threads += [
@@ -75,13 +74,6 @@ class IOWorker:
         """Wait until some job finished (or ``timeout_s``); True if one did."""
         return self.finished.wait(timeout_s)
 
-    def wait_for_loads(self, timeout_s: float) -> bool:
-        """Wait until no load is queued or running (or ``timeout_s``); True if none is."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: not self._urgent and not self._busy_urgent, timeout_s
-            )
-
     def close(self) -> None:
         """Run what is queued, then stop the threads."""
         with self._cond:
@@ -91,35 +83,29 @@ class IOWorker:
             thread.join()
 
     def _next(self, ordered: bool):
-        """The thread's next job and whether it is a load, or None once stopping with
-        nothing left for it."""
+        """The thread's next job, or None once stopping with nothing left for it."""
         with self._cond:
             while True:
                 if self._urgent:
-                    job, urgent = self._urgent.popleft(), True
+                    job = self._urgent.popleft()
                     break
                 if ordered and self._ordered:
-                    job, urgent = self._ordered.popleft(), False
+                    job = self._ordered.popleft()
                     break
                 if self._stopping:
                     return None
                 self._cond.wait()
             self._busy += 1
-            self._busy_urgent += urgent
-            return job, urgent
+            return job
 
     def _run(self, ordered: bool) -> None:
-        while (taken := self._next(ordered)) is not None:
-            job, urgent = taken
+        while (job := self._next(ordered)) is not None:
             try:
                 job.run()
             except Exception as exc:  # noqa: BLE001 - a bug in a job must not kill the tier
                 job.error = exc
             with self._cond:
                 self._busy -= 1
-                self._busy_urgent -= urgent
-                if urgent and not self._urgent and not self._busy_urgent:
-                    self._cond.notify_all()  # wait_for_loads
                 self._done.append(job)
                 group = getattr(job, "group", None)
                 if group is not None:
