@@ -4,11 +4,11 @@
 
 Every call runs the matrices of all 30 layers of SmolLM2-135M (qkv, o, gate_up, down:
 212 MB of bf16 weights, random), so the weights come from memory as in a step, for
-``--rows`` input rows (the step's new tokens). Layouts: oneDNN-prepacked (torch's
-``_linear_pointwise``) and, on CPUs with a tile unit, the tile layout of
-``kernels.tile_linear``; the down projection adds the residual in both, as the model
-does. They run interleaved, round by round; medians are printed with the weights'
-read rate. Figures, not assertions.
+``--rows`` input rows (the step's new tokens). Layouts: plain (``F.linear``),
+oneDNN-prepacked (torch's ``_linear_pointwise``, where oneDNN runs bf16) and, on CPUs
+with a tile unit, the tile layout of ``kernels.tile_linear``; the down projection adds
+the residual in each, as the model does. They run interleaved, round by round;
+medians are printed with the weights' read rate. Figures, not assertions.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from bench.model_step import interleaved_medians
-from chatsvc.engine.linear import LINEARS
+from chatsvc.engine.linear import LINEARS, can_prepack
 from kernels.tile_linear import tile_linear_available
 
 LAYERS = 30
@@ -52,7 +52,9 @@ def layout_fns(rows: int, seed: int = 0) -> dict[str, Callable[[], torch.Tensor]
 
         return step
 
-    fns = {"onednn": run("onednn")}
+    fns = {"plain": run("plain")}
+    if can_prepack(torch.device("cpu"), torch.bfloat16):
+        fns["onednn"] = run("onednn")
     if tile_linear_available("cpu", torch.bfloat16):
         fns["tiles"] = run("tiles")
     return fns
@@ -65,14 +67,16 @@ def main() -> None:
     args = parser.parse_args()
     megabytes = LAYERS * sum(n * k * 2 for n, k, _ in MATRICES) / 1e6
     print(f"threads {torch.get_num_threads()}, {megabytes:.0f} MB of weights per step")
+    if not can_prepack(torch.device("cpu"), torch.bfloat16):
+        print("oneDNN runs no bf16 here (no AVX-512): the plain layout only")
     if not tile_linear_available("cpu", torch.bfloat16):
-        print("no tile unit (AMX) here: the oneDNN layout only")
+        print("no tile unit (AMX) here: no tile layout")
     for rows in (int(r) for r in args.rows.split(",")):
         ms = interleaved_medians(layout_fns(rows), args.rounds)
         line = f"rows {rows:>4}: " + " | ".join(
             f"{name} {t:6.2f} ms ({megabytes / t:5.1f} GB/s)" for name, t in ms.items()
         )
-        if "tiles" in ms:
+        if "tiles" in ms and "onednn" in ms:
             line += f" | tiles / onednn {ms['tiles'] / ms['onednn']:.2f}"
         print(line, flush=True)
 

@@ -14,6 +14,7 @@ run the linears is the kernels' decision (``kernels.backend.tile_linears_availab
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import torch
@@ -36,12 +37,20 @@ class Linears(NamedTuple):
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN weight prepacking is available: a CPU build with mkldnn, fp32 or bf16."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """Whether oneDNN weight prepacking is available: a CPU build with mkldnn, in fp32,
+    or in bf16 where oneDNN runs bf16 (AVX-512 or AVX-NE-CONVERT: elsewhere, an AVX2
+    CPU, its weight reorder refuses bf16 and the plain layout is used)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _onednn_runs_bf16())
+
+
+@lru_cache(maxsize=1)
+def _onednn_runs_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without the query: assume not
+        return False
 
 
 def choose_layout(choice: bool | str | None, device: torch.device, dtype: torch.dtype) -> str:
