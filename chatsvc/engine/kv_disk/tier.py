@@ -8,9 +8,9 @@ applied at the start of the next step; the step loop never waits for them.
              are allocated, the sequence waits in LOADING (``cache.allocate`` ->
              loads); after the step's plans ran, the loads are queued
              (``submit_loads``: a plan may have held those blocks' old data)
-    I/O      on the load threads, each block read straight into its pool block (CPU) or through a
-             pinned buffer (CUDA), verified (checksum, fingerprint, hash, parent,
-             tokens, namespace)
+    I/O      on the load threads, each block read straight into its pool block
+             (CPU) or through a pinned buffer (CUDA), verified (checksum,
+             fingerprint, hash, parent, tokens, namespace)
     step N+k ``before_step``: the verified prefix of the loads counts as computed;
              the sequence runs and prefills only the rest
 
