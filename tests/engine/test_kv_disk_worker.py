@@ -47,30 +47,28 @@ def _drain(worker: IOWorker, count: int) -> list:
     return done
 
 
-def test_loads_run_on_several_threads_at_once():
-    worker = IOWorker("t", num_loaders=3)
+def _rendezvous(num_loaders: int, parties: int, timeout_s: float) -> list[_Rendezvous]:
+    """``parties`` loads that each wait for all the others, run on ``num_loaders`` threads."""
+    worker = IOWorker("t", num_loaders=num_loaders)
     try:
-        barrier = threading.Barrier(3, timeout=10.0)
-        jobs = [_Rendezvous(barrier) for _ in range(3)]
+        barrier = threading.Barrier(parties, timeout=timeout_s)
+        jobs = [_Rendezvous(barrier) for _ in range(parties)]
         for job in jobs:
             worker.submit_urgent(job)
-        _drain(worker, 3)
+        _drain(worker, parties)
     finally:
         worker.close()
+    return jobs
+
+
+def test_loads_run_on_several_threads_at_once():
+    jobs = _rendezvous(num_loaders=3, parties=3, timeout_s=10.0)
     assert [job.error for job in jobs] == [None, None, None]
     assert len({job.thread for job in jobs}) == 3
 
 
 def test_one_loader_reads_one_block_at_a_time():
-    worker = IOWorker("t", num_loaders=1)
-    try:
-        barrier = threading.Barrier(2, timeout=0.3)
-        jobs = [_Rendezvous(barrier) for _ in range(2)]
-        for job in jobs:
-            worker.submit_urgent(job)
-        _drain(worker, 2)
-    finally:
-        worker.close()
+    jobs = _rendezvous(num_loaders=1, parties=2, timeout_s=0.3)
     assert all(isinstance(job.error, threading.BrokenBarrierError) for job in jobs)
 
 

@@ -45,10 +45,6 @@ class IOWorker:
         for thread in self._threads:
             thread.start()
 
-    @property
-    def num_loaders(self) -> int:
-        return len(self._threads)
-
     def submit_urgent(self, job) -> None:
         with self._cond:
             self._urgent.append(job)
