@@ -27,9 +27,9 @@ import math
 import torch
 
 from bench.model_step import interleaved_medians
-from kernels import native
 from kernels.attention_inputs import AttentionInputs
-from kernels.cpu_attention import paged_attention_native
+from kernels.cpu import native
+from kernels.cpu.attention import paged_attention_native
 from kernels.extend_attention import paged_extend_attention_torch
 from kernels.extend_metadata import extend_metadata
 

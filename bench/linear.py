@@ -6,7 +6,7 @@ Every call runs the matrices of all 30 layers of SmolLM2-135M (qkv, o, gate_up, 
 212 MB of bf16 weights, random), so the weights come from memory as in a step, for
 ``--rows`` input rows (the step's new tokens). Layouts: plain (``F.linear``),
 oneDNN-prepacked (torch's ``_linear_pointwise``, where oneDNN runs bf16) and, on CPUs
-with a tile unit, the tile layout of ``kernels.tile_linear``; the down projection adds
+with a tile unit, the tile layout of ``kernels.cpu.tile_linear``; the down projection adds
 the residual in each, as the model does. They run interleaved, round by round;
 medians are printed with the weights' read rate. Figures, not assertions.
 """
@@ -20,7 +20,7 @@ import torch
 
 from bench.model_step import interleaved_medians
 from chatsvc.engine.linear import LINEARS, can_prepack
-from kernels.tile_linear import tile_linear_available
+from kernels.cpu.tile_linear import tile_linear_available
 
 LAYERS = 30
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 576 + 2 * 192

@@ -6,7 +6,7 @@
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
 weights, with oneDNN-prepacked ones and, where the CPU has a tile unit (bf16 with AMX),
-with tile-packed ones (``kernels.tile_linear``, the default there: "prepacked" below
+with tile-packed ones (``kernels.cpu.tile_linear``, the default there: "prepacked" below
 is the model's default layout), and of LlamaForCausalLM with its DynamicCache.
 Then one prefill of --prefill tokens. The variants run interleaved, sample by
 sample, so a shared machine's changing load hits them alike; medians are printed.

@@ -83,6 +83,6 @@ def models_dir(root: str | os.PathLike[str] | None = None) -> Path:
 
 
 def kernels_dir(root: str | os.PathLike[str] | None = None) -> Path:
-    """Where the native kernel library is built and cached (``kernels.native`` creates it
+    """Where the native kernel library is built and cached (``kernels.cpu.native`` creates it
     and checks it is private before it loads anything from it)."""
     return data_root(root) / "kernels"

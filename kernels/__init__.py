@@ -1,7 +1,7 @@
 """Paged-attention and KV-cache kernels: Triton on CUDA, C loops or the torch reference on CPU.
 
 A forward step binds its kernels once, for all of its layers, through
-``kernels.step.bind_step`` (which backend and which kernel runs is decided in
+``kernels.step.bind.bind_step`` (which backend and which kernel runs is decided in
 ``kernels.backend``). The per-op functions below decide through the same
 ``kernels.backend``, call by call; tests and the torch references use them.
 
@@ -39,7 +39,7 @@ import torch
 from kernels.attention_inputs import AttentionInputs
 from kernels.backend import KernelChoice, choose_kernels, resolve_backend
 from kernels.copy_blocks import check_copy_blocks, copy_blocks_torch, copy_blocks_triton
-from kernels.cpu_attention import paged_extend_attention_native
+from kernels.cpu.attention import paged_extend_attention_native
 from kernels.decode_attention import (
     check_decode,
     paged_decode_attention_torch,
@@ -53,7 +53,7 @@ from kernels.extend_attention import (
 from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope_
-from kernels.step_metadata import WriteIndex, check_write_index
+from kernels.step.write_index import WriteIndex, check_write_index
 from kernels.swiglu import swiglu
 from kernels.write_kv import check_write_kv, write_kv_native, write_kv_torch, write_kv_triton
 
@@ -83,7 +83,7 @@ def write_kv(
 
     ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, H_kv, D]``
     views of the pool, written in place. Slots must be distinct. ``index``
-    (``kernels.step_metadata.write_index`` of the same slots) spares the torch
+    (``kernels.step.write_index.write_index`` of the same slots) spares the torch
     path re-deriving it in every layer; Triton and native ignore it.
     """
     check_write_kv(k_cache, v_cache, key, value, slot_mapping, check_bounds)

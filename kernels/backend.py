@@ -2,18 +2,18 @@
 
 ``backend`` is one of ``"auto"`` (default), ``"torch"``, ``"native"`` or
 ``"triton"``. ``"auto"`` means Triton on CUDA, and on the CPU ``"native"``
-where ``kernels.native`` could build its library (``"torch"`` where it could
+where ``kernels.cpu.native`` could build its library (``"torch"`` where it could
 not). The environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default of
 ``"auto"`` for callers that pass nothing (an explicit argument wins).
 
     resolve_backend(backend, device)              -> "triton" | "native" | "torch"
     choose_kernels(device, dtype, head_dim, ...)  -> KernelChoice: the backend whose
-        kernels run a step on such tensors (``kernels.step.bind_step`` binds its
+        kernels run a step on such tensors (``kernels.step.bind.bind_step`` binds its
         module) and, on the native one, how many new tokens of a sequence its C
         attention takes (longer runs go to the torch groups)
     tile_linears_available(device, dtype)         -> bf16 linears on the tile unit
 
-``"native"`` runs the C kernels (``kernels/cpu_*.c``) where they take the tensors
+``"native"`` runs the C kernels (``kernels/cpu/*.c``) where they take the tensors
 (attention: fp32 or bf16, a head size that is a multiple of 16 up to 256) and the
 torch reference for the rest. ``"triton"`` with CPU tensors runs the kernels in
 Triton's interpreter, which ``triton`` only enables when ``TRITON_INTERPRET=1`` is
@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import native
-from kernels.tile_linear import tile_linear_available
+from kernels.cpu import native
+from kernels.cpu.tile_linear import tile_linear_available
 
 BACKENDS = ("auto", "torch", "native", "triton")
 ENV_VAR = "CHATSVC_KERNEL_BACKEND"
@@ -81,7 +81,7 @@ def native_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
 def native_max_query(dtype: torch.dtype, head_dim: int, lib: ctypes.CDLL | None = None) -> int:
     """New tokens per sequence up to which the native backend runs the C attention:
     ``NATIVE_MAX_QUERY_TILES`` where bf16 runs take the tile unit, else
-    ``NATIVE_MAX_QUERY``. ``lib``: a library ``kernels.native`` built (default: its own)."""
+    ``NATIVE_MAX_QUERY``. ``lib``: a library ``kernels.cpu.native`` built (default: its own)."""
     lib = lib if lib is not None else native.library()
     tiles = lib is not None and dtype == torch.bfloat16 and head_dim % 32 == 0
     if tiles and lib.chatsvc_attention_uses_tiles():
@@ -105,7 +105,7 @@ def choose_kernels(
 def tile_linears_available(
     device: torch.device | str, dtype: torch.dtype, backend: str | None = None
 ) -> bool:
-    """Whether linear layers may run on the tile unit (``kernels.tile_linear``): the native
+    """Whether linear layers may run on the tile unit (``kernels.cpu.tile_linear``): the native
     backend, bf16, and a library built with AMX."""
     device = torch.device(device)
     return resolve_backend(backend, device) == "native" and tile_linear_available(device, dtype)

@@ -24,7 +24,7 @@ A pad row repeats its sequence's last token, so it sees a non-empty key range
 decode row is never padded to a prefill's length, and under a gather byte
 budget (``GATHER_CHUNK_BYTES``).
 
-With the native CPU kernel (``kernels.cpu_attention``), sequences with at most
+With the native CPU kernel (``kernels.cpu.attention``), sequences with at most
 ``native_max_query`` new tokens are left out of the groups and listed in
 ``native_seqs``: the kernel reads their blocks in place, and only longer runs
 (prefill chunks, where SDPA's matrix products win) are grouped.

@@ -1,7 +1,7 @@
 """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight``.
 
 On the native backend (``kernels.backend``) rows run through the C loop in
-``kernels/cpu_layers.c``; elsewhere, and as its reference, ``torch.nn.functional.rms_norm``.
+``kernels/cpu/layers.c``; elsewhere, and as its reference, ``torch.nn.functional.rms_norm``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels import native
 from kernels.backend import resolve_backend
+from kernels.cpu import native
 
 
 def check_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -43,7 +43,7 @@ def rms_norm_native(
     """The C loop on rows of ``x`` (``[rows, hidden]``, unit stride along hidden).
 
     ``lib`` / ``num_threads``: the library and team size, where the caller resolved
-    them once (``kernels.step_native``); default ``native.require()`` and torch's."""
+    them once (``kernels.step.native_step``); default ``native.require()`` and torch's."""
     lib = native.require() if lib is None else lib
     out = torch.empty(x.shape, dtype=x.dtype)
     weight = weight.contiguous()

@@ -1,6 +1,6 @@
 """Rotary position embedding, in place, in HF's rotate_half layout.
 
-On the native backend (``kernels.backend``) the C loop in ``kernels/cpu_layers.c``;
+On the native backend (``kernels.backend``) the C loop in ``kernels/cpu/layers.c``;
 elsewhere, and as its reference, ``x * cos + rotate_half(x) * sin`` in torch.
 """
 
@@ -10,8 +10,8 @@ import ctypes
 
 import torch
 
-from kernels import native
 from kernels.backend import resolve_backend
+from kernels.cpu import native
 
 
 def check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """The SwiGLU gate: ``silu(gate) * up`` from a fused ``[T, 2 * I]`` projection.
 
-On the native backend (``kernels.backend``) the C loop in ``kernels/cpu_layers.c``;
+On the native backend (``kernels.backend``) the C loop in ``kernels/cpu/layers.c``;
 elsewhere, and as its reference, ``F.silu(gate).mul_(up)``.
 """
 
@@ -11,8 +11,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels import native
 from kernels.backend import resolve_backend
+from kernels.cpu import native
 
 
 def swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:

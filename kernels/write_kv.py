@@ -11,8 +11,8 @@ import ctypes
 
 import torch
 
-from kernels import native
-from kernels.step_metadata import WriteIndex, write_index
+from kernels.cpu import native
+from kernels.step.write_index import WriteIndex, write_index
 from kernels.triton_compat import runnable, tl, triton
 from kernels.validate import check_index, check_kv_caches, check_shared_strides
 
@@ -132,7 +132,7 @@ def write_kv_native(
     *,
     lib: ctypes.CDLL | None = None,
 ) -> None:
-    """Row copies in C (``kernels/cpu_kv.c``), in place (inputs already checked).
+    """Row copies in C (``kernels/cpu/write_kv.c``), in place (inputs already checked).
     ``lib``: the library where the caller resolved it once (default ``native.require()``)."""
     check_shared_strides(k_cache, v_cache)
     launch_write_kv(
@@ -156,7 +156,7 @@ def launch_write_kv(
     block_size: int,
 ) -> None:
     """The C call alone: caches by address (K, V) and their shared (block, slot, head)
-    strides in elements; ``slots`` int64 and contiguous. ``kernels.step_native`` calls
+    strides in elements; ``slots`` int64 and contiguous. ``kernels.step.native_step`` calls
     it with a step's slots converted once."""
     lib.chatsvc_write_kv(
         key.data_ptr(),

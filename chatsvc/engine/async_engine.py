@@ -55,7 +55,7 @@ from chatsvc.protocol import (
     GenerationRequest,
     RequestValidationError,
 )
-from kernels import native
+from kernels.cpu import native
 
 log = logging.getLogger(__name__)
 # How long an idle engine thread waits on the disk tier before it looks for commands.

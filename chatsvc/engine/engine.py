@@ -59,8 +59,8 @@ from chatsvc.engine.scheduler import ScheduledSequence, Scheduler
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
 from chatsvc.paths import kernels_dir
-from kernels import native
 from kernels.backend import resolve_backend
+from kernels.cpu import native
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
     layout   weights                                    matmuls
     plain    the ``[out, in]`` matrices as loaded       F.linear, addmm
     onednn   prepacked in oneDNN's blocked layout       torch's oneDNN linears (CPU, fp32/bf16)
-    tiles    packed for the CPU's tile unit (AMX)       ``kernels.tile_linear`` (bf16, native)
+    tiles    packed for the CPU's tile unit (AMX)       ``kernels.cpu.tile_linear`` (bf16, native)
 
 A model picks its layout once, at load (``choose_layout``), packs its matrices with
 that variant's ``pack`` and runs every projection through its ``linear`` /
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import tile_linears_available
-from kernels.tile_linear import TileWeight, pack_tile_weight
-from kernels.tile_linear import tile_linear as _tile_linear
+from kernels.cpu.tile_linear import TileWeight, pack_tile_weight
+from kernels.cpu.tile_linear import tile_linear as _tile_linear
 
 WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
 
@@ -103,7 +103,7 @@ def packed_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
 
 
 def tile_linear(x: torch.Tensor, weight: TileWeight, bias: torch.Tensor | None = None):
-    """``x @ weight^T + bias`` with a weight from ``kernels.tile_linear.pack_tile_weight``."""
+    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.tile_linear.pack_tile_weight``."""
     return _tile_linear(x, weight, bias)
 
 

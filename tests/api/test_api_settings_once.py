@@ -14,7 +14,7 @@ import pytest
 from chatsvc import paths
 from chatsvc.config import Settings, SettingsError
 from chatsvc.service import build_engine
-from kernels import native
+from kernels.cpu import native
 
 
 def test_from_env_builds_the_engine_config_from_the_same_variables(tmp_path):

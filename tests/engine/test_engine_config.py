@@ -34,7 +34,7 @@ def test_the_scheduler_config_is_built_from_the_engine_config_alone():
 
 def test_the_engine_builds_its_kernels_in_its_data_dir(smollm2_fp32, tmp_path, monkeypatch):
     from chatsvc.engine.engine import LLMEngine
-    from kernels import native
+    from kernels.cpu import native
 
     monkeypatch.setattr(native, "_build_dir", None)
     LLMEngine(EngineConfig(dtype="fp32", num_gpu_blocks=8, data_dir=str(tmp_path)), smollm2_fp32)

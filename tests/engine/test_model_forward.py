@@ -118,7 +118,7 @@ def test_weight_layouts_agree_in_bf16(smollm2_fp32, paged_driver, kernel_backend
     """The tile layout (bf16 on CPUs with AMX, native kernels) against oneDNN's: the
     same sums in another order, so logits agree to bf16 rounding."""
     from chatsvc.engine.loader import load_model
-    from kernels.tile_linear import tile_linear_available
+    from kernels.cpu.tile_linear import tile_linear_available
 
     if kernel_backend != "native" or not tile_linear_available("cpu", torch.bfloat16):
         with pytest.raises(ValueError, match="'tiles' weight layout is not available"):
@@ -138,7 +138,7 @@ def test_the_forward_pass_reaches_kernels_only_through_its_bound_step(
     smollm2_fp32, paged_driver, kernel_backend, monkeypatch
 ):
     """The kernels of a step are decided once (``kernels.backend.choose_kernels``, asked
-    by ``kernels.step.bind_step``), and no layer calls a public per-op kernel function,
+    by ``kernels.step.bind.bind_step``), and no layer calls a public per-op kernel function,
     on both CPU paths, for a prefill, a mixed step and a decode."""
     import kernels
     from kernels import backend as backends

@@ -1,4 +1,4 @@
-"""The native CPU attention (kernels/cpu_attention.c): its build, and its results against
+"""The native CPU attention (kernels/cpu/attention.c): its build, and its results against
 the dense oracle where the shared tests (test_reference*.py) do not reach: long
 sequences split across threads, key tiles spanning small blocks, the portable C
 path, a subset of the batch, and its refusals."""
@@ -22,7 +22,6 @@ from kernel_cases import (
 )
 
 import kernels
-from kernels import native
 from kernels.attention_inputs import AttentionInputs
 from kernels.backend import (
     NATIVE_MAX_QUERY,
@@ -30,7 +29,8 @@ from kernels.backend import (
     native_max_query,
     resolve_backend,
 )
-from kernels.cpu_attention import NATIVE_Q_TILE, paged_attention_native
+from kernels.cpu import native
+from kernels.cpu.attention import NATIVE_Q_TILE, paged_attention_native
 
 
 def _inputs(case, query, starts, v_cache=None):
@@ -69,8 +69,8 @@ def test_the_library_is_built_once_per_source_flags_and_cpu(tmp_path, monkeypatc
 
 def test_the_build_compiles_every_c_file_and_keys_every_header():
     here = Path(native.__file__).parent
-    assert set(native.SOURCES) == set(here.glob("cpu_*.c"))
-    assert set(native.HEADERS) == set(here.glob("cpu_*.h"))
+    assert set(native.SOURCES) == set(here.glob("*.c"))
+    assert set(native.HEADERS) == set(here.glob("*.h"))
     included = {
         here / name
         for path in (*native.SOURCES, *native.HEADERS)
@@ -80,7 +80,7 @@ def test_the_build_compiles_every_c_file_and_keys_every_header():
 
 
 def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
-    """The attention's files share cpu_attention.h: editing it must not load a library
+    """The attention's files share attention.h: editing it must not load a library
     built from the old one."""
     sources = tmp_path / "src"
     sources.mkdir()
@@ -90,7 +90,7 @@ def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "HEADERS", tuple(sources / p.name for p in native.HEADERS))
     monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     first = native.build("gcc", native.default_flags())
-    header = sources / "cpu_attention.h"
+    header = sources / "attention.h"
     header.write_text(header.read_text() + "\n/* edited */\n")
     second = native.build("gcc", native.default_flags())
     assert second != first and first.exists() and second.exists()

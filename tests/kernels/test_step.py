@@ -1,4 +1,4 @@
-"""kernels.step.bind_step: the one entry that decides which kernels run a step. Each
+"""kernels.step.bind.bind_step: the one entry that decides which kernels run a step. Each
 backend's bound step gives what the public functions give layer by layer, the backends
 agree with each other, and a bound step refuses calls that do not fit it."""
 
@@ -13,11 +13,11 @@ from kernel_cases import assert_close, make_paged_case, share_prefix
 
 import kernels
 from kernels import backend as backends
-from kernels import native
+from kernels.cpu import native
 from kernels.kv_layout import layer_views
-from kernels.step import StepDims, bind_step
-from kernels.step_native import NativeStep
-from kernels.step_torch import TorchStep
+from kernels.step.bind import StepDims, bind_step
+from kernels.step.native_step import NativeStep
+from kernels.step.torch_step import TorchStep
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
 NUM_Q_HEADS = NUM_KV_HEADS * GROUP

@@ -6,7 +6,7 @@ from kernel_cases import assert_close, decode_oracle, make_paged_case
 
 import kernels
 from kernels import extend_metadata as em
-from kernels.step_metadata import write_index
+from kernels.step.write_index import write_index
 
 LENS = [40, 3, 17, 33, 1]
 

@@ -1,4 +1,4 @@
-"""kernels.tile_linear (kernels/cpu_linear.c) against its torch twin, and its refusals."""
+"""kernels.cpu.tile_linear (kernels/cpu/tile_linear.c) against its torch twin, and its refusals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_cases import assert_close
 
-from kernels.tile_linear import (
+from kernels.cpu.tile_linear import (
     pack_tile_weight,
     tile_linear,
     tile_linear_available,
@@ -96,7 +96,7 @@ def test_a_build_without_the_tile_unit_refuses(tmp_path, monkeypatch):
     kernel reports no tiles and returns -1, writing nothing; packing still works."""
     import platform
 
-    from kernels import native
+    from kernels.cpu import native
 
     monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     flags = ["-mno-amx-tile"] if platform.machine() == "x86_64" else []

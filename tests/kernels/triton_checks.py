@@ -21,7 +21,7 @@ import torch
 from kernel_cases import assert_close, extend_inputs, make_paged_case, slots_of
 
 import kernels
-from kernels.step import StepDims, bind_step
+from kernels.step.bind import StepDims, bind_step
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 (see the module docstring)")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from chatsvc import paths
-from kernels import native
+from kernels.cpu import native
 
 
 def _mode(path: Path) -> int:
@@ -89,7 +89,7 @@ def test_a_planted_world_writable_library_is_not_loaded_but_rebuilt(tiny_sources
         native.open_trusted(target)
     assert not marker.exists()
 
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu.native"):
         rebuilt = native.build("gcc", _FLAGS)
     assert rebuilt == target and target.read_bytes() != planted
     assert "not loading the cached kernel library" in caplog.text
@@ -131,7 +131,7 @@ def test_the_loaded_library_sha256_is_logged_and_kept(tiny_sources, monkeypatch,
     monkeypatch.setattr(native, "_declare", lambda lib: None)  # the tiny library has none
     monkeypatch.setattr(native, "default_flags", lambda: list(_FLAGS))
     monkeypatch.setenv("CC", "gcc")
-    with caplog.at_level(logging.INFO, logger="kernels.native"):
+    with caplog.at_level(logging.INFO, logger="kernels.cpu.native"):
         lib = native.library()
     assert isinstance(lib, ctypes.CDLL) and lib.chatsvc_answer() == 42
     path = native.build("gcc", _FLAGS)

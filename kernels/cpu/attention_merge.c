@@ -3,7 +3,7 @@
  * its own keys) leave partial states (m, l, acc) per row, combined here as
  * flash-decoding does. */
 
-#include "cpu_attention.h"
+#include "attention.h"
 
 /* Merge the pieces of one tile: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p. */
 void merge_tile(const Args *a, const Tile *tile, const int64_t *parts, const float *partials,

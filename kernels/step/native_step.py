@@ -1,4 +1,4 @@
-"""A step on the native backend: the C kernels (``kernels/cpu_*.c``), called directly.
+"""A step on the native backend: the C kernels (``kernels/cpu/*.c``), called directly.
 
 The public functions resolve the backend and check their arguments in every call,
 seven calls per layer; on the CPU that costs more than the element-wise kernels
@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
 from kernels.backend import KernelChoice, native_takes
-from kernels.cpu_attention import launch_attention
+from kernels.cpu import native
+from kernels.cpu.attention import launch_attention
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
 from kernels.rms_norm import rms_norm_native
 from kernels.rope import apply_rope_native
-from kernels.step_ops import StepBatch, StepDims, StepOps
+from kernels.step.ops import StepBatch, StepDims, StepOps
 from kernels.swiglu import swiglu_native
 from kernels.write_kv import launch_write_kv
 
 
 class NativeStep(StepOps):
-    """See the module docstring; built by ``kernels.step.bind_step``."""
+    """See the module docstring; built by ``kernels.step.bind.bind_step``."""
 
     backend = "native"
 

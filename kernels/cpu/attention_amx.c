@@ -2,13 +2,13 @@
  * 16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 fp32, so the rows of one KV head (its
  * query heads x the item's new tokens, up to 16) get their scores and P.V from the
  * tile unit and only the softmax runs in vector code. K and V come in the dot-pair
- * path's layouts (cpu_attention.h), which are the tile unit's B operands as they are
+ * path's layouts (attention.h), which are the tile unit's B operands as they are
  * (kt: dword columns for Q.K^T; vv: key pairs for P.V), so acc keeps that path's dim
  * order. A decode alone has G rows per head (3 for SmolLM2): it stays on the vector
  * paths, which waste no tile rows, except for the keys it shares (`plan_shared`).
- * The caller configured this thread's tiles (cpu_amx.h). */
+ * The caller configured this thread's tiles (amx.h). */
 
-#include "cpu_attention.h"
+#include "attention.h"
 
 #if defined(CHATSVC_AMX)
 

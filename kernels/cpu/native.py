@@ -1,4 +1,4 @@
-"""Build and load the C kernels (``kernels/cpu_*.c``) the CPU path runs.
+"""Build and load the C kernels (``kernels/cpu/*.c``) the CPU path runs.
 
 They are compiled on first use with the machine's C compiler (``$CC``, else
 ``gcc``) for this CPU (``-march=native``) and cached as a shared library in the
@@ -43,20 +43,20 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
-        "cpu_attention.c",
-        "cpu_attention_plan.c",
-        "cpu_attention_merge.c",
-        "cpu_attention_portable.c",
-        "cpu_attention_avx512.c",
-        "cpu_attention_bf16.c",
-        "cpu_attention_amx.c",
-        "cpu_kv.c",
-        "cpu_layers.c",
-        "cpu_linear.c",
+        "attention.c",
+        "attention_plan.c",
+        "attention_merge.c",
+        "attention_portable.c",
+        "attention_avx512.c",
+        "attention_bf16.c",
+        "attention_amx.c",
+        "write_kv.c",
+        "layers.c",
+        "tile_linear.c",
     )
 )
 HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_amx.h", "cpu_attention.h")
+    Path(__file__).with_name(name) for name in ("common.h", "amx.h", "attention.h")
 )  # included by the sources: in the key
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.

@@ -22,20 +22,20 @@
  *
  * Sequences whose tables start with the same blocks (a shared system prompt) attend
  * to those blocks together in one item on the tile unit, where it has one, and to
- * the rest on their own (cpu_attention_plan.c).
+ * the rest on their own (attention_plan.c).
  *
  * Each item takes one of the paths (`attend_item`), one file each:
  *
- *   widening loops   any dtype: K/V widened to fp32      cpu_attention_avx512.c
- *                                                        (cpu_attention_portable.c
+ *   widening loops   any dtype: K/V widened to fp32      attention_avx512.c
+ *                                                        (attention_portable.c
  *                                                        without AVX-512)
- *   dot pairs        bf16 on AVX512-BF16                 cpu_attention_bf16.c
- *   tile unit        bf16 runs of several tokens, AMX    cpu_attention_amx.c
+ *   dot pairs        bf16 on AVX512-BF16                 attention_bf16.c
+ *   tile unit        bf16 runs of several tokens, AMX    attention_amx.c
  *
  * Items run in parallel on the caller's OpenMP team (torch's own libgomp,
  * already loaded in the process, so no second team competes for the cores).
  * Sums are fp32; bf16 is widened by a shift and narrowed round-to-nearest-even,
- * as torch does. Inputs are checked by the Python wrapper (kernels/cpu_attention.py):
+ * as torch does. Inputs are checked by the Python wrapper (kernels/cpu/attention.py):
  * these files trust their arguments.
  */
 
@@ -43,7 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_attention.h"
+#include "attention.h"
 
 /* Blocks per slice at least, when a sequence is split (below that, the merge
  * costs more than the idle thread would). */
@@ -253,5 +253,5 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
 
 /* 1 when runs of new tokens in bf16 (head size a multiple of 32) go through the tile
  * unit, 0 when they take the vector loops: the Python side routes longer runs here
- * in the first case (kernels/cpu_attention.py: native_max_query). */
+ * in the first case (kernels/cpu/attention.py: native_max_query). */
 int chatsvc_attention_uses_tiles(void) { return amx_usable(); }

@@ -24,8 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_amx.h"
-#include "cpu_common.h"
+#include "amx.h"
+#include "common.h"
 
 #if defined(CHATSVC_AMX)
 #include <omp.h>

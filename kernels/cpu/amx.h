@@ -1,5 +1,5 @@
-/* The tile unit (AMX) for the C kernels that use it (kernels/cpu_attention.c,
- * kernels/cpu_linear.c): CHATSVC_AMX is defined where the build targets a CPU with
+/* The tile unit (AMX) for the C kernels that use it (kernels/cpu/attention.c,
+ * kernels/cpu/tile_linear.c): CHATSVC_AMX is defined where the build targets a CPU with
  * AMX-BF16 and AVX512-BF16, and the setup every thread does before its first tile
  * instruction. `amx_usable()` exists in every build (0 without CHATSVC_AMX). */
 

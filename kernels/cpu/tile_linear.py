@@ -1,4 +1,4 @@
-"""Linear layers of bf16 models on the CPU's tile unit (AMX), ``kernels/cpu_linear.c``.
+"""Linear layers of bf16 models on the CPU's tile unit (AMX), ``kernels/cpu/tile_linear.c``.
 
     out = x @ W^T (+ bias) (+ residual)      x [M, K], W [N, K], out [M, N], bf16
 
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels.cpu import native
 
 
 class TileWeight(NamedTuple):

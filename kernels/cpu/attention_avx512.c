@@ -4,9 +4,9 @@
  * a query row's 16 scores are D broadcast multiply-adds with no horizontal sums (up
  * to four rows of a head share each key load); an online softmax in exp2; then
  * acc = acc * alpha + p . V in D / 16 independent chains. The portable twin of this
- * file is cpu_attention_portable.c; see cpu_attention.h for the item walk's pieces. */
+ * file is attention_portable.c; see attention.h for the item walk's pieces. */
 
-#include "cpu_attention.h"
+#include "attention.h"
 
 #if defined(__AVX512F__)
 

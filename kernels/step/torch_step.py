@@ -1,7 +1,7 @@
 """A step on the torch backend: the torch references, with the step's metadata built once.
 
 Every layer writes to the same slots and attends over the same tables, so the split
-of slots into (block, offset) (``kernels.step_metadata.write_index``) and the SDPA
+of slots into (block, offset) (``kernels.step.write_index.write_index``) and the SDPA
 groups with their gather ids and masks (``kernels.extend_metadata``) are built here
 once for all layers. A decode is the step whose sequences all have one new token:
 the groups then hold decodes only, with one key mask per sequence.
@@ -16,14 +16,14 @@ from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
 from kernels.rms_norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
-from kernels.step_metadata import WriteIndex, write_index
-from kernels.step_ops import StepBatch, StepDims, StepOps
+from kernels.step.ops import StepBatch, StepDims, StepOps
+from kernels.step.write_index import WriteIndex, write_index
 from kernels.swiglu import swiglu_torch
 from kernels.write_kv import write_kv_torch
 
 
 class TorchStep(StepOps):
-    """See the module docstring; built by ``kernels.step.bind_step``."""
+    """See the module docstring; built by ``kernels.step.bind.bind_step``."""
 
     backend = "torch"
 

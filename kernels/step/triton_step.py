@@ -17,13 +17,13 @@ from kernels.decode_attention import paged_decode_attention_triton
 from kernels.extend_attention import paged_extend_attention_triton
 from kernels.rms_norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
-from kernels.step_ops import StepBatch, StepDims, StepOps
+from kernels.step.ops import StepBatch, StepDims, StepOps
 from kernels.swiglu import swiglu_torch
 from kernels.write_kv import write_kv_triton
 
 
 class TritonStep(StepOps):
-    """See the module docstring; built by ``kernels.step.bind_step``."""
+    """See the module docstring; built by ``kernels.step.bind.bind_step``."""
 
     backend = "triton"
 

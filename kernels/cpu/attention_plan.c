@@ -4,7 +4,7 @@
  * forks of n > 1) read the same keys there. Up to a tile's worth of their new tokens
  * (16 rows per KV head) then attend to those keys together, as one item on the tile
  * unit, and each sequence attends to the rest of its context on its own; the two
- * partial states are merged like slices (cpu_attention_merge.c):
+ * partial states are merged like slices (attention_merge.c):
  *
  *   keys   | 0 ........... S | S ............ context |
  *   seq a  | shared item     | own items of a        |  -> merge
@@ -16,7 +16,7 @@
  * loops the sum of work is the same either way. A sequence joins when all its new
  * tokens fit the item and the shared keys lie wholly before them. */
 
-#include "cpu_attention.h"
+#include "attention.h"
 
 #if defined(CHATSVC_AMX)
 

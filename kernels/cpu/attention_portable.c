@@ -2,10 +2,10 @@
  * than x86, or -mno-avx512f). K and V rows are widened to fp32 (in place for fp32),
  * K transposed per 16-key tile so a row's scores are plain vector loops the compiler
  * vectorises, then the online softmax and acc = acc * alpha + p . V per row. The
- * AVX-512 twin of this file is cpu_attention_avx512.c; see cpu_attention.h for the
+ * AVX-512 twin of this file is attention_avx512.c; see attention.h for the
  * item walk's pieces. */
 
-#include "cpu_attention.h"
+#include "attention.h"
 
 #if !defined(__AVX512F__)
 

@@ -1,12 +1,12 @@
-/* What the files of the native CPU attention share (kernels/cpu_attention*.c).
+/* What the files of the native CPU attention share (kernels/cpu/attention*.c).
  *
- *   cpu_attention.c           the entry: work items, slices, the thread team, the path per item
- *   cpu_attention_plan.c      the shared-prefix planner (`plan_shared`)
- *   cpu_attention_merge.c     the merge of an item's partial states (`merge_tile`)
- *   cpu_attention_portable.c  the widening loops in portable C (builds without AVX-512)
- *   cpu_attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
- *   cpu_attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
- *   cpu_attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)
+ *   attention.c           the entry: work items, slices, the thread team, the path per item
+ *   attention_plan.c      the shared-prefix planner (`plan_shared`)
+ *   attention_merge.c     the merge of an item's partial states (`merge_tile`)
+ *   attention_portable.c  the widening loops in portable C (builds without AVX-512)
+ *   attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
+ *   attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
+ *   attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)
  *
  * A work item walks one sequence's keys for a tile of its new tokens; each path file
  * holds its per-key-tile loop and the walk that calls it, built from the pieces below:
@@ -15,7 +15,7 @@
  * paths share (the 16x16 transpose, the vector exp2, the bf16 pair loads and the
  * 32-key softmax step) sit here too, behind the instruction set that defines them.
  *
- * Everything here trusts its arguments: the Python wrapper (kernels/cpu_attention.py)
+ * Everything here trusts its arguments: the Python wrapper (kernels/cpu/attention.py)
  * checked them.
  */
 
@@ -26,8 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_amx.h"
-#include "cpu_common.h"
+#include "amx.h"
+#include "common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

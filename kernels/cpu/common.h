@@ -1,4 +1,4 @@
-/* Helpers the C kernels (kernels/cpu_*.c) share: bf16 <-> fp32 and a vectorisable exp2. */
+/* Helpers the C kernels (kernels/cpu/*.c) share: bf16 <-> fp32 and a vectorisable exp2. */
 
 #ifndef CHATSVC_CPU_COMMON_H
 #define CHATSVC_CPU_COMMON_H

@@ -1,10 +1,10 @@
 /* bf16 caches on CPUs with AVX512-BF16, decodes and the runs the tile unit does not
  * take: products of bf16 pairs (vdpbf16ps) into fp32 lanes, K and V used as stored.
  * The layouts (K as dword columns, V by key pairs), the 32-key softmax step and the
- * dim order of acc are described in cpu_attention.h, which the tile path
- * (cpu_attention_amx.c) shares. */
+ * dim order of acc are described in attention.h, which the tile path
+ * (attention_amx.c) shares. */
 
-#include "cpu_attention.h"
+#include "attention.h"
 
 #if defined(__AVX512BF16__)
 

@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_common.h"
+#include "common.h"
 
 /* Work (elements) from which a call splits its rows across the team: below it the
  * wake-up costs more than the second core gives. */

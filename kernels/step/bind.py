@@ -7,12 +7,12 @@
 and head size (``CHATSVC_KERNEL_BACKEND`` / ``backend=``; see there), and the
 backend's module binds the step, building the per-step metadata its kernels want:
 
-    native   kernels.step_native.NativeStep   C kernels; attention runs up to the
+    native   kernels.step.native_step.NativeStep   C kernels; attention runs up to the
                                               routing limit in C, longer ones in
                                               torch SDPA groups built here
-    torch    kernels.step_torch.TorchStep     torch references; SDPA groups and the
+    torch    kernels.step.torch_step.TorchStep     torch references; SDPA groups and the
                                               slot split built here
-    triton   kernels.step_triton.TritonStep   Triton; decode or extend kernel per step
+    triton   kernels.step.triton_step.TritonStep   Triton; decode or extend kernel per step
 
 The public per-op functions in ``kernels`` decide through the same
 ``kernels.backend`` functions, call by call.
@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from kernels import backend as backends
-from kernels.step_native import NativeStep
-from kernels.step_ops import StepBatch, StepDims, StepOps
-from kernels.step_torch import TorchStep
-from kernels.step_triton import TritonStep
+from kernels.step.native_step import NativeStep
+from kernels.step.ops import StepBatch, StepDims, StepOps
+from kernels.step.torch_step import TorchStep
+from kernels.step.triton_step import TritonStep
 
 __all__ = ["StepBatch", "StepDims", "StepOps", "bind_step"]
 

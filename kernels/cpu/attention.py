@@ -1,4 +1,4 @@
-"""Paged attention on the CPU through the C kernel (``kernels/cpu_attention*.c``).
+"""Paged attention on the CPU through the C kernel (``kernels/cpu/attention*.c``).
 
 The native backend splits a step's sequences (the limit is ``kernels.backend``'s
 ``native_max_query``):
@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from kernels import native
 from kernels.attention_inputs import AttentionInputs
 from kernels.backend import native_max_query, native_takes
+from kernels.cpu import native
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, metadata_for
 from kernels.validate import check_shared_strides
@@ -40,7 +40,7 @@ def paged_attention_native(
 
     ``inputs`` as ``kernels.paged_extend_attention`` takes them (already checked
     there); other sequences' rows of ``out`` are left as they are. ``lib``: a library
-    built by ``kernels.native`` (default: ``native.library()``).
+    built by ``kernels.cpu.native`` (default: ``native.library()``).
     """
     if lib is None:
         lib = native.require()
@@ -86,7 +86,7 @@ def launch_attention(
     out: torch.Tensor,
 ) -> None:
     """The C call alone: caches by address (K, V) and their shared (block, slot, head)
-    strides in elements; the index tensors int32 and contiguous. ``kernels.step_native``
+    strides in elements; the index tensors int32 and contiguous. ``kernels.step.native_step``
     calls it with a step's index tensors converted once."""
     status = lib.chatsvc_paged_attention(
         query.data_ptr(),

@@ -2,8 +2,8 @@
 
 Every layer of a step calls the same kernels on tensors of the same shapes with the
 same index tensors; only the layer's slice of the pool and the data differ. So
-``kernels.step.bind_step`` checks the step once and binds one ``StepOps`` of the
-backend ``kernels.backend.choose_kernels`` picks (``kernels.step_native``,
+``kernels.step.bind.bind_step`` checks the step once and binds one ``StepOps`` of the
+backend ``kernels.backend.choose_kernels`` picks (``kernels.step.native_step``,
 ``step_torch``, ``step_triton``), built with that backend's per-step metadata; each
 layer then calls:
 
