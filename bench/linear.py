@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from bench.model_step import interleaved_medians
-from chatsvc.engine.linear import LINEARS, can_prepack
 from kernels.cpu.tile_linear import tile_linear_available
+from kernels.linear import LINEARS, can_prepack
 
 LAYERS = 30
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 576 + 2 * 192

@@ -24,10 +24,10 @@ from collections.abc import Callable
 import torch
 
 from chatsvc.engine.forward_batch import ForwardBatch
-from chatsvc.engine.linear import can_prepack
 from chatsvc.engine.loader import LoadedModel, load_model
 from kernels.backend import ENV_VAR
 from kernels.kv_layout import new_kv_pool
+from kernels.linear import can_prepack
 
 BLOCK_SIZE = 16
 

@@ -1,6 +1,6 @@
 """The RoPE tables of the Llama forward pass.
 
-The linear layers are in ``chatsvc.engine.linear``; the element-wise layers (RMSNorm,
+The linear layers are in ``kernels.linear``; the element-wise layers (RMSNorm,
 RoPE, SwiGLU) are kernels, bound per step (``kernels.step``)."""
 
 from __future__ import annotations

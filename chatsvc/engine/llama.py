@@ -11,7 +11,7 @@ Per layer (T new tokens, shapes in comments):
 
 The attention, the KV write and the element-wise layers are the step's kernels,
 bound once per step (``kernels.step.bind.bind_step``: which backend and which kernel
-runs is decided there); the linears are the weight layout's (``chatsvc.engine.linear``).
+runs is decided there); the linears are the weight layout's (``kernels.linear``).
 K and V are read and written only through those kernels. Logits are computed only for
 each sequence's last new token.
 """
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.layers import RotaryTables
-from chatsvc.engine.linear import LINEARS, choose_layout
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
 from kernels.kv_layout import KVShape
+from kernels.linear import LINEARS, choose_layout
 from kernels.step.bind import StepDims, bind_step
 
 
@@ -49,7 +49,7 @@ class LlamaModel:
         step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
 
         prepack_weights: store the matrices in a layout made for the CPU's matrix code
-        (``chatsvc.engine.linear.WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.cpu.tile_linear``
+        (``kernels.linear.WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.cpu.tile_linear``
         (bf16 with AMX and the native kernels), ``"onednn"`` for torch's oneDNN linears; True
         or None = the first of those available here (None: plain where neither is), False =
         plain. The plain matrices in ``weights.layers`` are replaced by the packed ones, which

@@ -1,4 +1,4 @@
-"""chatsvc.engine.linear: every weight layout's matmuls compute the plain ones, and a
+"""kernels.linear: every weight layout's matmuls compute the plain ones, and a
 model's prepack_weights maps to the layout the kernels allow here."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatsvc.engine.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout
 from kernels.backend import ENV_VAR, tile_linears_available
+from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout
 
 CPU = torch.device("cpu")
 

@@ -9,8 +9,8 @@ from kernel_cases import assert_close
 
 from bench import cpu_attention
 from bench import kernels as bench_kernels
-from chatsvc.engine.linear import can_prepack
 from kernels.cpu import native
+from kernels.linear import can_prepack
 
 
 def test_without_cuda_it_reports_and_exits_zero(monkeypatch, capsys):
