@@ -7,13 +7,12 @@
  *   attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
  *   attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
  *   attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)
+ *   attention_walk.h      the walk of a work item over its keys, written once for the paths
  *
  * A work item walks one sequence's keys for a tile of its new tokens; each path file
- * holds its per-key-tile loop and the walk that calls it, built from the pieces below:
- * `item_begin` (the item's scratch and query rows), `item_offsets` (where a key tile's
- * rows lie), `item_end` (the output rows or partial states). The pieces the AVX-512
- * paths share (the 16x16 transpose, the vector exp2, the bf16 pair loads and the
- * 32-key softmax step) sit here too, behind the instruction set that defines them.
+ * holds its per-key-tile loop and hands it to the walk (attention_walk.h). The pieces
+ * the AVX-512 paths share (the 16x16 transpose, the vector exp2, the bf16 pair loads
+ * and the 32-key softmax step) sit here, behind the instruction set that defines them.
  *
  * Everything here trusts its arguments: the Python wrapper (kernels/cpu/attention.py)
  * checked them.
@@ -93,18 +92,6 @@ static inline const float *row_f32(const void *base, int64_t offset, int n, int 
     return scratch;
 }
 
-/* Both halves of the next block, one cache line at a time, while this one is used. */
-static inline void prefetch_block(const Args *a, int64_t block) {
-    const int size = a->dtype == DTYPE_F32 ? 4 : 2;
-    const int64_t bytes = (int64_t)a->block_size * a->kv_stride_slot * size;
-    const char *k = (const char *)a->k + block * size;
-    const char *v = (const char *)a->v + block * size;
-    for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(k + b);
-        __builtin_prefetch(v + b);
-    }
-}
-
 /* Online-softmax update of one query row with one key tile: scores s[0..seen)
  * (already scaled, log2 domain) -> weights p, then acc = acc * alpha + p . V. */
 static inline void update_row(float s_top, float *restrict m, float *restrict l, float sum,
@@ -115,92 +102,9 @@ static inline void update_row(float s_top, float *restrict m, float *restrict l,
     *alpha_out = alpha;
 }
 
-/* One item's working state. Scratch of one thread (floats, 64-byte aligned pieces as
- * D is a multiple of 16): q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D]
- * m[rows] l[rows]. Row r = token (i - q_begin) * H_q + query head. */
-typedef struct {
-    int32_t start;  /* the sequence's first query row */
-    int32_t prefix; /* its tokens before the new ones */
-    int32_t stop;   /* keys the item reads end here: its last row's position + 1, capped */
-    int rows;
-    const int32_t *table;
-    float *q, *acc, *kt, *v_tile, *m, *l;
-} ItemState;
-
 /* Scratch of one thread, in floats, for items of up to `rows` rows: see `ItemState`. */
 static inline int64_t scratch_floats(int64_t rows, int64_t head_dim) {
     return 2 * rows * head_dim + 2 * rows + 2 * TILE * head_dim;
-}
-
-/* Lay out the item's scratch and load its query rows: as fp32 times the scale
- * (`raw_bf16` 0: the widening loops) or as the bf16 they are (1: the dot-pair and
- * tile paths, which scale the scores). m = -inf, l = 0, acc = 0. */
-static inline __attribute__((always_inline)) ItemState item_begin(const Args *a, const Item *it,
-                                                                  float *scratch, const int D,
-                                                                  const int raw_bf16) {
-    const int Hq = a->num_q_heads;
-    ItemState s;
-    s.start = a->query_start[it->seq];
-    const int32_t q_len = a->query_start[it->seq + 1] - s.start;
-    s.prefix = a->context_lens[it->seq] - q_len;
-    s.rows = (it->q_end - it->q_begin) * Hq;
-    s.table = a->block_tables + (int64_t)it->seq * a->table_stride;
-    s.q = scratch;
-    s.acc = s.q + (int64_t)s.rows * D;
-    s.kt = s.acc + (int64_t)s.rows * D;
-    s.v_tile = s.kt + (int64_t)TILE * D;
-    s.m = s.v_tile + (int64_t)TILE * D;
-    s.l = s.m + s.rows;
-    for (int r = 0; r < s.rows; r++) {
-        const int i = it->q_begin + r / Hq, head = r % Hq;
-        const int64_t token = it->tokens ? it->tokens[i] : s.start + i;
-        const int64_t offset = token * a->q_stride_t + (int64_t)head * a->q_stride_h;
-        if (raw_bf16) {
-            memcpy((uint16_t *)s.q + (int64_t)r * D, (const uint16_t *)a->q + offset, 2 * D);
-        } else {
-            const float *src = row_f32(a->q, offset, D, a->dtype, s.q + (int64_t)r * D);
-#pragma omp simd
-            for (int d = 0; d < D; d++) s.q[(int64_t)r * D + d] = src[d] * a->scale_log2;
-        }
-        s.m[r] = -INFINITY;
-        s.l[r] = 0.0f;
-#pragma omp simd
-        for (int d = 0; d < D; d++) s.acc[(int64_t)r * D + d] = 0.0f;
-    }
-    /* The tile's last row sees keys [0, last]; earlier rows stop sooner (causal). */
-    const int32_t last = s.prefix + it->q_end - 1;
-    s.stop = last + 1 < it->key_end ? last + 1 : it->key_end;
-    return s;
-}
-
-/* Element offsets of KV head h's rows for the n keys from position `first`. */
-static inline __attribute__((always_inline)) void item_offsets(const Args *a,
-                                                               const int32_t *table,
-                                                               int32_t first, int n, int h,
-                                                               int64_t *offsets) {
-    const int bs = a->block_size;
-    for (int t = 0; t < n; t++) {
-        const int32_t pos = first + t;
-        offsets[t] = (int64_t)table[pos / bs] * a->kv_stride_block +
-                     (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
-                     (int64_t)h * a->kv_stride_head;
-    }
-}
-
-/* The same for the 2 x TILE keys from `first`, -1 from `stop` on (what the dot-pair
- * and tile paths prefetch for their next step). */
-static inline __attribute__((always_inline)) void item_offsets_ahead(const Args *a,
-                                                                     const int32_t *table,
-                                                                     int32_t first, int32_t stop,
-                                                                     int h, int64_t *offsets) {
-    const int bs = a->block_size;
-    for (int t = 0; t < 2 * TILE; t++) {
-        const int32_t pos = first + t;
-        offsets[t] = pos >= stop ? -1
-                                 : (int64_t)table[pos / bs] * a->kv_stride_block +
-                                       (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
-                                       (int64_t)h * a->kv_stride_head;
-    }
 }
 
 #if defined(__AVX512F__)
@@ -347,49 +251,6 @@ static inline __m512i softmax_step32(__m512 raw0, __m512 raw1, int seen, float s
     return p;
 }
 #endif
-
-/* Write the item's rows: its partial states (m, l, acc) where it is one piece of a
- * tile, else acc / l into the output. `permuted`: acc holds the dot-pair paths' dim
- * order (`acc_dim`), put back here. */
-static inline __attribute__((always_inline)) void item_end(const Args *a, const Item *it,
-                                                           const ItemState *s, float *partials,
-                                                           const int D, const int permuted) {
-    const int Hq = a->num_q_heads;
-#if defined(__AVX512BF16__)
-    float ordered[D];
-#else
-    (void)permuted;
-#endif
-    for (int r = 0; r < s->rows; r++) {
-        const float *ar = s->acc + (int64_t)r * D;
-#if defined(__AVX512BF16__)
-        if (permuted) {
-            unpermute_row(ar, ordered, D);
-            ar = ordered;
-        }
-#endif
-        if (it->partial >= 0) {
-            float *dst = partials + (it->partial + r) * (D + 2);
-            dst[0] = s->m[r];
-            dst[1] = s->l[r];
-            memcpy(dst + 2, ar, sizeof(float) * D);
-            continue;
-        }
-        const int i = it->q_begin + r / Hq, head = r % Hq;
-        const float inv = 1.0f / s->l[r]; /* l >= 1: a row always sees its own key */
-        const int64_t offset =
-            (int64_t)(s->start + i) * a->out_stride_t + (int64_t)head * a->out_stride_h;
-        if (a->dtype == DTYPE_F32) {
-            float *dst = (float *)a->out + offset;
-#pragma omp simd
-            for (int d = 0; d < D; d++) dst[d] = ar[d] * inv;
-        } else {
-            uint16_t *dst = (uint16_t *)a->out + offset;
-#pragma omp simd
-            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(ar[d] * inv);
-        }
-    }
-}
 
 #if defined(CHATSVC_AMX)
 /* Floats of a thread's tile scratch: per KV head its rows packed [16][D] (bf16),

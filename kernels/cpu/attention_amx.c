@@ -8,16 +8,30 @@
  * paths, which waste no tile rows, except for the keys it shares (`plan_shared`).
  * The caller configured this thread's tiles (amx.h). */
 
-#include "attention.h"
+#include "attention_walk.h"
 
 #if defined(CHATSVC_AMX)
+
+/* The tile path's part of a thread's tile scratch for one item (`pack_rows`). */
+typedef struct {
+    float *amx;      /* the whole of it (`amx_scratch_floats`) */
+    uint16_t *qh;    /* per KV head its rows packed [AMX_ROWS][D] (bf16) */
+    float *tiles;    /* scores, weights, P.V and alpha of one step */
+    int nrows;       /* rows per KV head: the item's tokens x G */
+} TileRows;
 
 /* One step of up to 32 keys of one KV head against its `nrows` packed rows `qh`
  * (row j = token q_begin + j / G, query head h * G + j % G). */
 static inline __attribute__((always_inline)) void tile_head_amx(
-    const Args *a, const int64_t *offsets, const int64_t *ahead, int n, const int D,
-    const uint16_t *qh, int nrows, float *acc, float *m, float *l, float *kt, float *vv,
-    float *tiles, int32_t prefix, int32_t first, int q_begin, int h) {
+    const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
+    const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
+    const TileRows *rows = ctx;
+    const uint16_t *qh = rows->qh + (int64_t)h * AMX_ROWS * D;
+    const int nrows = rows->nrows;
+    float *acc = s->acc, *m = s->m, *l = s->l, *kt = s->kt, *vv = s->v_tile;
+    float *tiles = rows->tiles;
+    const int32_t prefix = s->prefix;
+    const int q_begin = it->q_begin;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     float *scores = tiles, *out = scores + AMX_ROWS * 32 + AMX_ROWS * 16;
     uint16_t *weights = (uint16_t *)(scores + AMX_ROWS * 32);
@@ -72,45 +86,31 @@ static inline __attribute__((always_inline)) void tile_head_amx(
     }
 }
 
-/* One item: its rows packed per KV head into the tile scratch, then 32 keys per step
- * as on the dot-pair path. */
-static inline __attribute__((always_inline)) void walk(const Args *a, const Item *it,
-                                                       float *scratch, float *partials,
-                                                       float *amx, const int D) {
-    ItemState s = item_begin(a, it, scratch, D, 1);
+/* Before an item's keys: its rows packed per KV head into the tile scratch. */
+static inline __attribute__((always_inline)) void pack_rows(const Args *a, const Item *it,
+                                                            const ItemState *s, void *ctx,
+                                                            const int D) {
+    TileRows *rows = ctx;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
-    const int nrows = (it->q_end - it->q_begin) * G;
-    uint16_t *qh = (uint16_t *)amx;
-    float *tiles = amx + (int64_t)a->num_kv_heads * AMX_ROWS * D / 2;
+    rows->nrows = (it->q_end - it->q_begin) * G;
+    rows->qh = (uint16_t *)rows->amx;
+    rows->tiles = rows->amx + (int64_t)a->num_kv_heads * AMX_ROWS * D / 2;
     /* Zeros: the unused tile rows, and V pairs no step has loaded yet (weight 0 times
      * whatever is there must stay 0). */
-    memset(amx, 0, sizeof(float) * amx_scratch_floats(a->num_kv_heads, D));
-    memset(s.v_tile, 0, sizeof(float) * TILE * D);
+    memset(rows->amx, 0, sizeof(float) * amx_scratch_floats(a->num_kv_heads, D));
+    memset(s->v_tile, 0, sizeof(float) * TILE * D);
     for (int h = 0; h < a->num_kv_heads; h++)
-        for (int j = 0; j < nrows; j++)
-            memcpy(qh + ((int64_t)h * AMX_ROWS + j) * D,
-                   (const uint16_t *)s.q + (int64_t)((j / G) * Hq + h * G + j % G) * D, 2 * D);
-
-    int64_t offsets[2 * TILE], next[2 * TILE];
-    for (int32_t first = it->key_begin; first < s.stop; first += 2 * TILE) {
-        const int n = s.stop - first < 2 * TILE ? s.stop - first : 2 * TILE;
-        for (int h = 0; h < a->num_kv_heads; h++) {
-            item_offsets(a, s.table, first, n, h, offsets);
-            item_offsets_ahead(a, s.table, first + 2 * TILE, s.stop, h, next);
-            tile_head_amx(a, offsets, next, n, D, qh + (int64_t)h * AMX_ROWS * D, nrows, s.acc,
-                          s.m, s.l, s.kt, s.v_tile, tiles, s.prefix, first, it->q_begin, h);
-        }
-    }
-    item_end(a, it, &s, partials, D, 1);
+        for (int j = 0; j < rows->nrows; j++)
+            memcpy(rows->qh + ((int64_t)h * AMX_ROWS + j) * D,
+                   (const uint16_t *)s->q + (int64_t)((j / G) * Hq + h * G + j % G) * D, 2 * D);
 }
+
+static const KeyPath TILES = {.pairs = 1, .prepare = pack_rows, .step = tile_head_amx};
 
 void attend_tiles(const Args *a, const Item *it, float *scratch, float *partials, float *amx,
                   int head_dim) {
-    switch (head_dim) {
-        case 64: walk(a, it, scratch, partials, amx, 64); break;
-        case 128: walk(a, it, scratch, partials, amx, 128); break;
-        default: walk(a, it, scratch, partials, amx, head_dim); break;
-    }
+    TileRows rows = {.amx = amx};
+    walk_head_dims(a, it, scratch, partials, &TILES, &rows, head_dim);
 }
 
 #endif

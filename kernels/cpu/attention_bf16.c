@@ -4,7 +4,7 @@
  * dim order of acc are described in attention.h, which the tile path
  * (attention_amx.c) shares. */
 
-#include "attention.h"
+#include "attention_walk.h"
 
 #if defined(__AVX512BF16__)
 
@@ -50,9 +50,13 @@ static inline __attribute__((always_inline)) void accumulate_row_bf16(
 
 /* One step of up to 2 x 16 keys of one KV head against the rows of that head. */
 static inline __attribute__((always_inline)) void tile_head_bf16(
-    const Args *a, const int64_t *offsets, const int64_t *ahead, int n, const int D,
-    const uint16_t *q, float *acc, float *m, float *l, float *kt, float *vv, int32_t prefix,
-    int32_t first, int q_begin, int q_end, int h) {
+    const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
+    const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
+    (void)ctx;
+    const uint16_t *q = (const uint16_t *)s->q;
+    float *acc = s->acc, *m = s->m, *l = s->l, *kt = s->kt, *vv = s->v_tile;
+    const int32_t prefix = s->prefix;
+    const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     /* The last row sees the most keys of the step. */
     int most = prefix + (q_end - 1) - first + 1;
@@ -87,31 +91,11 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
     }
 }
 
-/* One item, 32 keys per step, the next step's rows prefetched during this one. */
-static inline __attribute__((always_inline)) void walk(const Args *a, const Item *it,
-                                                       float *scratch, float *partials,
-                                                       const int D) {
-    ItemState s = item_begin(a, it, scratch, D, 1);
-    int64_t offsets[2 * TILE], next[2 * TILE];
-    for (int32_t first = it->key_begin; first < s.stop; first += 2 * TILE) {
-        const int n = s.stop - first < 2 * TILE ? s.stop - first : 2 * TILE;
-        for (int h = 0; h < a->num_kv_heads; h++) {
-            item_offsets(a, s.table, first, n, h, offsets);
-            item_offsets_ahead(a, s.table, first + 2 * TILE, s.stop, h, next);
-            tile_head_bf16(a, offsets, next, n, D, (const uint16_t *)s.q, s.acc, s.m, s.l, s.kt,
-                           s.v_tile, s.prefix, first, it->q_begin, it->q_end, h);
-        }
-    }
-    item_end(a, it, &s, partials, D, 1);
-}
+static const KeyPath DOT_PAIRS = {.pairs = 1, .prepare = NULL, .step = tile_head_bf16};
 
 void attend_dot_pairs(const Args *a, const Item *it, float *scratch, float *partials,
                       int head_dim) {
-    switch (head_dim) {
-        case 64: walk(a, it, scratch, partials, 64); break;
-        case 128: walk(a, it, scratch, partials, 128); break;
-        default: walk(a, it, scratch, partials, head_dim); break;
-    }
+    walk_head_dims(a, it, scratch, partials, &DOT_PAIRS, NULL, head_dim);
 }
 
 #endif

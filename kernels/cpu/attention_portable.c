@@ -2,10 +2,10 @@
  * than x86, or -mno-avx512f). K and V rows are widened to fp32 (in place for fp32),
  * K transposed per 16-key tile so a row's scores are plain vector loops the compiler
  * vectorises, then the online softmax and acc = acc * alpha + p . V per row. The
- * AVX-512 twin of this file is attention_avx512.c; see attention.h for the
- * item walk's pieces. */
+ * AVX-512 twin of this file is attention_avx512.c; the item walk that calls
+ * `tile_head` is attention_walk.h. */
 
-#include "attention.h"
+#include "attention_walk.h"
 
 #if !defined(__AVX512F__)
 
@@ -22,9 +22,13 @@ static inline void load_k_transposed(const Args *a, const int64_t *offsets, int 
 
 /* One key tile of one KV head against the rows of that head. */
 static inline __attribute__((always_inline)) void tile_head(
-    const Args *a, const int64_t *offsets, int n, const int D, const float *q, float *acc,
-    float *m, float *l, float *kt, float *v_tile, int32_t prefix, int32_t first, int q_begin,
-    int q_end, int h) {
+    const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
+    const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
+    (void)ahead, (void)ctx;
+    const float *q = s->q;
+    float *acc = s->acc, *m = s->m, *l = s->l, *kt = s->kt, *v_tile = s->v_tile;
+    const int32_t prefix = s->prefix;
+    const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     const float *v_rows[TILE];
     load_k_transposed(a, offsets, n, D, kt);
@@ -64,34 +68,11 @@ static inline __attribute__((always_inline)) void tile_head(
     }
 }
 
-/* One item, 16 keys per step, the next block prefetched while one is used. */
-static inline __attribute__((always_inline)) void walk(const Args *a, const Item *it,
-                                                       float *scratch, float *partials,
-                                                       const int D) {
-    ItemState s = item_begin(a, it, scratch, D, 0);
-    const int bs = a->block_size;
-    int64_t offsets[TILE];
-    for (int32_t first = it->key_begin; first < s.stop; first += TILE) {
-        const int n = s.stop - first < TILE ? s.stop - first : TILE;
-        const int32_t ahead = first + (bs > TILE ? bs : TILE);
-        if (ahead < s.stop && (first & (bs - 1)) == 0)
-            prefetch_block(a, (int64_t)s.table[ahead / bs] * a->kv_stride_block);
-        for (int h = 0; h < a->num_kv_heads; h++) {
-            item_offsets(a, s.table, first, n, h, offsets);
-            tile_head(a, offsets, n, D, s.q, s.acc, s.m, s.l, s.kt, s.v_tile, s.prefix, first,
-                      it->q_begin, it->q_end, h);
-        }
-    }
-    item_end(a, it, &s, partials, D, 0);
-}
+static const KeyPath WIDENING = {.pairs = 0, .prepare = NULL, .step = tile_head};
 
 void attend_widening(const Args *a, const Item *it, float *scratch, float *partials,
                      int head_dim) {
-    switch (head_dim) {
-        case 64: walk(a, it, scratch, partials, 64); break;
-        case 128: walk(a, it, scratch, partials, 128); break;
-        default: walk(a, it, scratch, partials, head_dim); break;
-    }
+    walk_head_dims(a, it, scratch, partials, &WIDENING, NULL, head_dim);
 }
 
 #endif

@@ -55,9 +55,11 @@ SOURCES = tuple(
         "tile_linear.c",
     )
 )
+# Included by the sources: in the key.
 HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("common.h", "amx.h", "attention.h")
-)  # included by the sources: in the key
+    Path(__file__).with_name(name)
+    for name in ("common.h", "amx.h", "attention.h", "attention_walk.h")
+)
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
 BASE_FLAGS = [

@@ -1,0 +1,220 @@
+/* The walk of one work item over its keys, written once for the attention's paths
+ * (attention_portable.c, _avx512.c, _bf16.c, _amx.c):
+ *
+ *   item_begin                       the item's scratch and its query rows
+ *   for each step of keys            16 keys (widening loops) or 32 (pair paths)
+ *     prefetch                       the next block (widening loops)
+ *     for each KV head
+ *       item_offsets                 where the step's rows of this head lie
+ *       item_offsets_ahead           the next step's rows, to prefetch (pair paths)
+ *       path->step                   the path's own loop over the step's keys
+ *   item_end                         the output rows, or the item's partial states
+ *
+ * A path is a `KeyPath`: its step function, what it does once per item before the
+ * keys (`prepare`), and whether it is a pair path. The path files pass a `static const
+ * KeyPath` to `walk_head_dims`; everything here is always_inline, so the path's
+ * functions are constants where the walk lands and the compiler inlines them into it,
+ * as if each file had its own copy of the walk. */
+
+#ifndef CHATSVC_CPU_ATTENTION_WALK_H
+#define CHATSVC_CPU_ATTENTION_WALK_H
+
+#include "attention.h"
+
+/* Both halves of the next block, one cache line at a time, while this one is used. */
+static inline void prefetch_block(const Args *a, int64_t block) {
+    const int size = a->dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t bytes = (int64_t)a->block_size * a->kv_stride_slot * size;
+    const char *k = (const char *)a->k + block * size;
+    const char *v = (const char *)a->v + block * size;
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(v + b);
+    }
+}
+
+/* One item's working state. Scratch of one thread (floats, 64-byte aligned pieces as
+ * D is a multiple of 16): q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D]
+ * m[rows] l[rows]. Row r = token (i - q_begin) * H_q + query head. */
+typedef struct {
+    int32_t start;  /* the sequence's first query row */
+    int32_t prefix; /* its tokens before the new ones */
+    int32_t stop;   /* keys the item reads end here: its last row's position + 1, capped */
+    int rows;
+    const int32_t *table;
+    float *q, *acc, *kt, *v_tile, *m, *l;
+} ItemState;
+
+/* Lay out the item's scratch and load its query rows: as fp32 times the scale
+ * (`raw_bf16` 0: the widening loops) or as the bf16 they are (1: the dot-pair and
+ * tile paths, which scale the scores). m = -inf, l = 0, acc = 0. */
+static inline __attribute__((always_inline)) ItemState item_begin(const Args *a, const Item *it,
+                                                                  float *scratch, const int D,
+                                                                  const int raw_bf16) {
+    const int Hq = a->num_q_heads;
+    ItemState s;
+    s.start = a->query_start[it->seq];
+    const int32_t q_len = a->query_start[it->seq + 1] - s.start;
+    s.prefix = a->context_lens[it->seq] - q_len;
+    s.rows = (it->q_end - it->q_begin) * Hq;
+    s.table = a->block_tables + (int64_t)it->seq * a->table_stride;
+    s.q = scratch;
+    s.acc = s.q + (int64_t)s.rows * D;
+    s.kt = s.acc + (int64_t)s.rows * D;
+    s.v_tile = s.kt + (int64_t)TILE * D;
+    s.m = s.v_tile + (int64_t)TILE * D;
+    s.l = s.m + s.rows;
+    for (int r = 0; r < s.rows; r++) {
+        const int i = it->q_begin + r / Hq, head = r % Hq;
+        const int64_t token = it->tokens ? it->tokens[i] : s.start + i;
+        const int64_t offset = token * a->q_stride_t + (int64_t)head * a->q_stride_h;
+        if (raw_bf16) {
+            memcpy((uint16_t *)s.q + (int64_t)r * D, (const uint16_t *)a->q + offset, 2 * D);
+        } else {
+            const float *src = row_f32(a->q, offset, D, a->dtype, s.q + (int64_t)r * D);
+#pragma omp simd
+            for (int d = 0; d < D; d++) s.q[(int64_t)r * D + d] = src[d] * a->scale_log2;
+        }
+        s.m[r] = -INFINITY;
+        s.l[r] = 0.0f;
+#pragma omp simd
+        for (int d = 0; d < D; d++) s.acc[(int64_t)r * D + d] = 0.0f;
+    }
+    /* The tile's last row sees keys [0, last]; earlier rows stop sooner (causal). */
+    const int32_t last = s.prefix + it->q_end - 1;
+    s.stop = last + 1 < it->key_end ? last + 1 : it->key_end;
+    return s;
+}
+
+/* Element offsets of KV head h's rows for the n keys from position `first`. */
+static inline __attribute__((always_inline)) void item_offsets(const Args *a,
+                                                               const int32_t *table,
+                                                               int32_t first, int n, int h,
+                                                               int64_t *offsets) {
+    const int bs = a->block_size;
+    for (int t = 0; t < n; t++) {
+        const int32_t pos = first + t;
+        offsets[t] = (int64_t)table[pos / bs] * a->kv_stride_block +
+                     (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
+                     (int64_t)h * a->kv_stride_head;
+    }
+}
+
+/* The same for the 2 x TILE keys from `first`, -1 from `stop` on (what the dot-pair
+ * and tile paths prefetch for their next step). */
+static inline __attribute__((always_inline)) void item_offsets_ahead(const Args *a,
+                                                                     const int32_t *table,
+                                                                     int32_t first, int32_t stop,
+                                                                     int h, int64_t *offsets) {
+    const int bs = a->block_size;
+    for (int t = 0; t < 2 * TILE; t++) {
+        const int32_t pos = first + t;
+        offsets[t] = pos >= stop ? -1
+                                 : (int64_t)table[pos / bs] * a->kv_stride_block +
+                                       (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
+                                       (int64_t)h * a->kv_stride_head;
+    }
+}
+
+/* Write the item's rows: its partial states (m, l, acc) where it is one piece of a
+ * tile, else acc / l into the output. `permuted`: acc holds the dot-pair paths' dim
+ * order (`acc_dim`), put back here. */
+static inline __attribute__((always_inline)) void item_end(const Args *a, const Item *it,
+                                                           const ItemState *s, float *partials,
+                                                           const int D, const int permuted) {
+    const int Hq = a->num_q_heads;
+#if defined(__AVX512BF16__)
+    float ordered[D];
+#else
+    (void)permuted;
+#endif
+    for (int r = 0; r < s->rows; r++) {
+        const float *ar = s->acc + (int64_t)r * D;
+#if defined(__AVX512BF16__)
+        if (permuted) {
+            unpermute_row(ar, ordered, D);
+            ar = ordered;
+        }
+#endif
+        if (it->partial >= 0) {
+            float *dst = partials + (it->partial + r) * (D + 2);
+            dst[0] = s->m[r];
+            dst[1] = s->l[r];
+            memcpy(dst + 2, ar, sizeof(float) * D);
+            continue;
+        }
+        const int i = it->q_begin + r / Hq, head = r % Hq;
+        const float inv = 1.0f / s->l[r]; /* l >= 1: a row always sees its own key */
+        const int64_t offset =
+            (int64_t)(s->start + i) * a->out_stride_t + (int64_t)head * a->out_stride_h;
+        if (a->dtype == DTYPE_F32) {
+            float *dst = (float *)a->out + offset;
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = ar[d] * inv;
+        } else {
+            uint16_t *dst = (uint16_t *)a->out + offset;
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(ar[d] * inv);
+        }
+    }
+}
+
+/* A path's loop over one step's `n` keys from position `first`, for KV head h: the
+ * rows of those keys at `offsets` (elements), the next step's at `ahead` (pair paths:
+ * -1 past the item's keys; the widening loops get none). `ctx` is the path's own. */
+typedef void (*KeyStepFn)(const Args *a, const Item *it, const ItemState *s,
+                          const int64_t *offsets, const int64_t *ahead, int32_t first, int n,
+                          int h, void *ctx, const int D);
+
+/* Once per item, after `item_begin` and before the keys. */
+typedef void (*ItemPrepareFn)(const Args *a, const Item *it, const ItemState *s, void *ctx,
+                              const int D);
+
+typedef struct {
+    /* 1: a pair path (dot pairs, tile unit): the query rows kept as bf16, acc in the pair
+     * order (`acc_dim`), 32 keys per step and the next step's rows prefetched per head.
+     * 0: the widening loops: fp32 query rows times the scale, 16 keys per step and the
+     * next block prefetched. */
+    int pairs;
+    ItemPrepareFn prepare; /* NULL: nothing to do */
+    KeyStepFn step;
+} KeyPath;
+
+static inline __attribute__((always_inline)) void walk(const Args *a, const Item *it,
+                                                       float *scratch, float *partials,
+                                                       const KeyPath *path, void *ctx,
+                                                       const int D) {
+    ItemState s = item_begin(a, it, scratch, D, path->pairs);
+    if (path->prepare) path->prepare(a, it, &s, ctx, D);
+    const int keys = path->pairs ? 2 * TILE : TILE;
+    const int bs = a->block_size;
+    int64_t offsets[2 * TILE], ahead[2 * TILE];
+    for (int32_t first = it->key_begin; first < s.stop; first += keys) {
+        const int n = s.stop - first < keys ? s.stop - first : keys;
+        if (!path->pairs) {
+            const int32_t next = first + (bs > TILE ? bs : TILE);
+            if (next < s.stop && (first & (bs - 1)) == 0)
+                prefetch_block(a, (int64_t)s.table[next / bs] * a->kv_stride_block);
+        }
+        for (int h = 0; h < a->num_kv_heads; h++) {
+            item_offsets(a, s.table, first, n, h, offsets);
+            if (path->pairs) item_offsets_ahead(a, s.table, first + keys, s.stop, h, ahead);
+            path->step(a, it, &s, offsets, ahead, first, n, h, ctx, D);
+        }
+    }
+    item_end(a, it, &s, partials, D, path->pairs);
+}
+
+/* One item on `path`, for any head size: 64 and 128 get their own fully unrolled copies. */
+static inline __attribute__((always_inline)) void walk_head_dims(const Args *a, const Item *it,
+                                                                 float *scratch, float *partials,
+                                                                 const KeyPath *path, void *ctx,
+                                                                 int head_dim) {
+    switch (head_dim) {
+        case 64: walk(a, it, scratch, partials, path, ctx, 64); break;
+        case 128: walk(a, it, scratch, partials, path, ctx, 128); break;
+        default: walk(a, it, scratch, partials, path, ctx, head_dim); break;
+    }
+}
+
+#endif
