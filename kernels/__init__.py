@@ -1,9 +1,11 @@
 """Paged-attention and KV-cache kernels: Triton on CUDA, C loops or the torch reference on CPU.
 
-A forward step binds its kernels once, for all of its layers, through
-``kernels.step.bind.bind_step`` (which backend and which kernel runs is decided in
-``kernels.backend``). The per-op functions below decide through the same
-``kernels.backend``, call by call; tests and the torch references use them.
+Which kernel runs is decided in one place, ``kernels.backend.choose_kernels``, and
+reached two ways. A forward step binds the chosen backend's kernels once for all of
+its layers (``kernels.step.bind.bind_step``, the model's way in). The per-op functions
+below are thin wrappers for every other caller (tests, references, the engine's block
+copies): each checks its arguments, asks ``choose_kernels`` for the same
+``KernelChoice`` a step would get on such tensors, and runs that backend's kernel.
 
 Public API (signatures fixed in docs/contracts.md)::
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_inputs import AttentionInputs
-from kernels.backend import KernelChoice, choose_kernels, resolve_backend
+from kernels.backend import KernelChoice, choose_kernels
 from kernels.copy_blocks import check_copy_blocks, copy_blocks_torch, copy_blocks_triton
 from kernels.cpu.attention import paged_extend_attention_native
 from kernels.decode_attention import (
@@ -87,7 +89,7 @@ def write_kv(
     path re-deriving it in every layer; Triton and native ignore it.
     """
     check_write_kv(k_cache, v_cache, key, value, slot_mapping, check_bounds)
-    chosen = resolve_backend(backend, k_cache.device)
+    chosen = choose_kernels(k_cache.device, k_cache.dtype, backend=backend).backend
     if chosen == "triton":
         write_kv_triton(k_cache, v_cache, key, value, slot_mapping)
         return
@@ -209,8 +211,8 @@ def copy_blocks(
     (asynchronous block copies); see ``kernels.copy_blocks``.
     """
     check_copy_blocks(src_pool, dst_pool, pairs, check_bounds)
-    same_device = src_pool.device == dst_pool.device
-    if same_device and resolve_backend(backend, src_pool.device) == "triton":
+    chosen = choose_kernels(src_pool.device, src_pool.dtype, backend=backend).backend
+    if chosen == "triton" and src_pool.device == dst_pool.device:
         copy_blocks_triton(src_pool, dst_pool, pairs)
     else:
         copy_blocks_torch(src_pool, dst_pool, pairs)

@@ -1,5 +1,10 @@
 """Which kernels run: the one place that decides, for a step and for every public function.
 
+Both ways into the kernels take their decision here, as one ``KernelChoice``: a forward
+step binds the chosen backend's kernels once for all its layers (``kernels.step``), and
+each public per-op function in ``kernels`` (tests, references, the engine's block
+copies) asks ``choose_kernels`` in every call and runs that backend's kernel.
+
 ``backend`` is one of ``"auto"`` (default), ``"torch"``, ``"native"`` or
 ``"triton"``. ``"auto"`` means Triton on CUDA, and on the CPU ``"native"``
 where ``kernels.cpu.native`` could build its library (``"torch"`` where it could
@@ -8,9 +13,9 @@ not). The environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default o
 
     resolve_backend(backend, device)              -> "triton" | "native" | "torch"
     choose_kernels(device, dtype, head_dim, ...)  -> KernelChoice: the backend whose
-        kernels run a step on such tensors (``kernels.step.bind.bind_step`` binds its
-        module) and, on the native one, how many new tokens of a sequence its C
-        attention takes (longer runs go to the torch groups)
+        kernels run a step or an operation on such tensors and, on the native one, how
+        many new tokens of a sequence its C attention takes (longer runs go to the
+        torch groups)
     tile_linears_available(device, dtype)         -> bf16 linears on the tile unit
 
 ``"native"`` runs the C kernels (``kernels/cpu/*.c``) where they take the tensors
@@ -49,7 +54,9 @@ class KernelChoice(NamedTuple):
     """The kernels of a step on given tensors (``choose_kernels``)."""
 
     backend: str  # "triton", "native" or "torch": whose kernels run the step
-    native_max_query: int  # new tokens up to which the C attention takes a sequence; 0 off native
+    # New tokens up to which the C attention takes a sequence; 0 off native, and in the
+    # choice of an operation without heads.
+    native_max_query: int
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -71,11 +78,12 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return choice
 
 
-def native_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the C attention takes such tensors: on the CPU, fp32 or bf16, a head size
-    that is a multiple of 16 (its vector width) up to 256."""
-    supported = dtype in native.DTYPE_CODES and head_dim % 16 == 0 and head_dim <= 256
-    return device.type == "cpu" and supported
+def native_takes(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+    """Whether the C kernels take such tensors: on the CPU, fp32 or bf16, and for the
+    attention (``head_dim`` given) a head size that is a multiple of 16 (its vector
+    width) up to 256."""
+    heads_fit = head_dim is None or (head_dim % 16 == 0 and head_dim <= 256)
+    return device.type == "cpu" and dtype in native.DTYPE_CODES and heads_fit
 
 
 def native_max_query(dtype: torch.dtype, head_dim: int, lib: ctypes.CDLL | None = None) -> int:
@@ -90,16 +98,22 @@ def native_max_query(dtype: torch.dtype, head_dim: int, lib: ctypes.CDLL | None 
 
 
 def choose_kernels(
-    device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    backend: str | None = None,
 ) -> KernelChoice:
-    """The kernels of a step (or one attention call) on tensors of this device, dtype and
-    head size. The native backend with tensors its C kernels do not take (fp16, say)
-    runs the torch kernels."""
+    """The kernels that run on tensors of this device and dtype: those of a step
+    (``kernels.step.bind.bind_step``) and of every public per-op function in ``kernels``.
+    ``head_dim``: the attention's head size, for a step or an attention call; None for
+    an operation without heads (the KV write, block copies, the element-wise layers).
+    The native backend with tensors its C kernels do not take (fp16, say) runs the torch
+    kernels."""
     chosen = resolve_backend(backend, device)
     if chosen == "native" and not native_takes(device, dtype, head_dim):
         chosen = "torch"
-    limit = native_max_query(dtype, head_dim) if chosen == "native" else 0
-    return KernelChoice(chosen, limit)
+    attends = chosen == "native" and head_dim is not None
+    return KernelChoice(chosen, native_max_query(dtype, head_dim) if attends else 0)
 
 
 def tile_linears_available(

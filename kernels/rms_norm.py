@@ -11,7 +11,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import resolve_backend
+from kernels.backend import choose_kernels
 from kernels.cpu import native
 
 
@@ -67,11 +67,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm of ``x [..., hidden]``; returns a new tensor of ``x``'s shape and dtype."""
     check_rms_norm(x, weight)
-    if (
-        resolve_backend(backend, x.device) == "native"
-        and x.dim() == 2
-        and x.dtype in native.DTYPE_CODES
-        and x.stride(-1) == 1
-    ):
+    chosen = choose_kernels(x.device, x.dtype, backend=backend).backend
+    if chosen == "native" and x.dim() == 2 and x.stride(-1) == 1:  # the C loop's rows
         return rms_norm_native(x, weight, eps)
     return rms_norm_torch(x, weight, eps)

@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from kernels.backend import resolve_backend
+from kernels.backend import choose_kernels
 from kernels.cpu import native
 
 
@@ -64,11 +64,8 @@ def apply_rope_(
     """Rotate ``x [T, H, D]`` in place by ``cos``/``sin`` ``[T, 1, D]`` (both halves of a
     head share an angle). ``x`` may be a strided view, e.g. q and k inside a fused QKV."""
     check_rope(x, cos, sin)
-    if (
-        resolve_backend(backend, x.device) == "native"
-        and x.dtype in native.DTYPE_CODES
-        and x.stride(-1) == 1
-    ):
+    chosen = choose_kernels(x.device, x.dtype, backend=backend).backend
+    if chosen == "native" and x.stride(-1) == 1:  # the C loop's heads
         apply_rope_native(x, cos, sin)
     else:
         apply_rope_torch(x, cos, sin)

@@ -11,7 +11,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import resolve_backend
+from kernels.backend import choose_kernels
 from kernels.cpu import native
 
 
@@ -44,10 +44,7 @@ def swiglu(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     """``silu(gate) * up`` of ``gate_up [T, 2 * I]``; returns ``[T, I]``."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
-    if (
-        resolve_backend(backend, gate_up.device) == "native"
-        and gate_up.dtype in native.DTYPE_CODES
-        and gate_up.stride(-1) == 1
-    ):
+    chosen = choose_kernels(gate_up.device, gate_up.dtype, backend=backend).backend
+    if chosen == "native" and gate_up.stride(-1) == 1:  # the C loop's rows
         return swiglu_native(gate_up)
     return swiglu_torch(gate_up)

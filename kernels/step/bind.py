@@ -7,15 +7,14 @@
 and head size (``CHATSVC_KERNEL_BACKEND`` / ``backend=``; see there), and the
 backend's module binds the step, building the per-step metadata its kernels want:
 
-    native   kernels.step.native_step.NativeStep   C kernels; attention runs up to the
-                                              routing limit in C, longer ones in
-                                              torch SDPA groups built here
-    torch    kernels.step.torch_step.TorchStep     torch references; SDPA groups and the
-                                              slot split built here
-    triton   kernels.step.triton_step.TritonStep   Triton; decode or extend kernel per step
+    native   native_step.NativeStep   C kernels; attention runs up to the routing limit
+                                      in C, longer ones in torch SDPA groups built here
+    torch    torch_step.TorchStep     torch references; SDPA groups and the slot split
+                                      built here
+    triton   triton_step.TritonStep   Triton; decode or extend kernel per step
 
-The public per-op functions in ``kernels`` decide through the same
-``kernels.backend`` functions, call by call.
+The public per-op functions in ``kernels`` take the same ``choose_kernels`` decision,
+call by call (docs/kernels.md, "Where the decision is").
 """
 
 from __future__ import annotations

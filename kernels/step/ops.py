@@ -3,8 +3,8 @@
 Every layer of a step calls the same kernels on tensors of the same shapes with the
 same index tensors; only the layer's slice of the pool and the data differ. So
 ``kernels.step.bind.bind_step`` checks the step once and binds one ``StepOps`` of the
-backend ``kernels.backend.choose_kernels`` picks (``kernels.step.native_step``,
-``step_torch``, ``step_triton``), built with that backend's per-step metadata; each
+backend ``kernels.backend.choose_kernels`` picks (``native_step``, ``torch_step``,
+``triton_step`` here), built with that backend's per-step metadata; each
 layer then calls:
 
     rms_norm(x, weight)   rope_(qk, cos, sin)   swiglu(gate_up)
