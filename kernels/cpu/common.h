@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 }; /* kernels/native.py: DTYPE_CODES */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 }; /* kernels/cpu/native.py: DTYPE_CODES */
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;

@@ -17,7 +17,7 @@
  * 16-row tiles of x it keeps four accumulator tiles: C[m][n] += A[m] . B[n] over K,
  * so every tile loaded feeds two multiplies. Sums are fp32; bias and residual are
  * added in fp32 and the result rounded to bf16 once, as oneDNN's fused add does.
- * Arguments are checked by the Python wrapper (kernels/tile_linear.py).
+ * Arguments are checked by the Python wrapper (kernels/cpu/tile_linear.py).
  */
 
 #include <stdint.h>
