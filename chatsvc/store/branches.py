@@ -194,7 +194,6 @@ class Branches:
         children: dict[str, list[str]],
         responses: dict[str, str],
         *,
-        keep_responses: frozenset[str] = frozenset(),
         extra_response_dels: tuple[str, ...] = (),
     ) -> Planned:
         """The write that removes ``top``'s subtree (``branch``: the active one), and
@@ -210,9 +209,7 @@ class Branches:
             write.child_sets[parent_key] = join_children(siblings)
         else:
             write.child_dels.append(parent_key)
-        write.response_dels = [
-            rid for rid, out in responses.items() if out in gone and rid not in keep_responses
-        ]
+        write.response_dels = [rid for rid, out in responses.items() if out in gone]
         write.response_dels += [r for r in extra_response_dels if r not in write.response_dels]
         if branch.session.active_leaf not in gone:
             return plan_kept_path(branch, write)

@@ -19,8 +19,6 @@ use; an id that belongs to another tenant behaves exactly like an unknown one
 
 from __future__ import annotations
 
-import hashlib
-
 import redis.asyncio as aredis
 
 from chatsvc.store.branches import Branches
@@ -34,11 +32,6 @@ from chatsvc.store.sessions import Sessions
 from chatsvc.store.tenants import Tenants
 from chatsvc.store.tree_read import Tree
 from chatsvc.store.writes import TreeWriter
-
-
-def hash_api_key(api_key: str) -> str:
-    """Hex sha256 of an API key: what key lookups compare (the key itself is kept nowhere)."""
-    return hashlib.sha256(api_key.encode()).hexdigest()
 
 
 class Store:

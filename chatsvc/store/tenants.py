@@ -8,6 +8,7 @@ replica admits is its own configuration (``chatsvc.tenants``).
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 
 from chatsvc.store import validate as v
@@ -27,6 +28,12 @@ redis.call('set', KEYS[2], ARGV[3])
 redis.call('hset', KEYS[1], ARGV[1], ARGV[2])
 return ARGV[2]
 """
+
+
+def hash_api_key(api_key: str) -> str:
+    """Hex sha256 of an API key: what a replica's key lookups compare (``chatsvc.tenants``;
+    the key itself is kept nowhere)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
 
 
 class Tenants:
