@@ -2,7 +2,7 @@
 
 Acknowledged turns must be in the stored history, in order, word for word. A
 turn that was cut off may or may not be there: the service can die after
-``append_turn`` committed but before the ``done`` event reached the client
+the turn's ``commit_turn`` but before the ``done`` event reached the client
 ("committed, unacknowledged"); such a turn, if stored, must be whole and must be
 the turn that was in flight. Nothing else may appear.
 """
