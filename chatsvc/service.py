@@ -80,15 +80,15 @@ async def bootstrap_tenants(store: Store, settings: Settings) -> TenantDirectory
 
     A tenant is created the first time its name is configured and kept for ever
     after, so a rotated key reaches the same tenant. Safe to run on replicas
-    starting together (``Store.ensure_tenant`` is idempotent and race-safe).
+    starting together (``store.tenants.ensure`` is idempotent and race-safe).
     Without keys, every request acts as the one local tenant, named "local".
     """
     tenants = []
     for name, key in settings.api_keys:
-        tenants.append((key, await store.ensure_tenant(name)))
+        tenants.append((key, await store.tenants.ensure(name)))
     if settings.auth_enabled:
         return TenantDirectory.of_keys(tenants)
-    return TenantDirectory(local=await store.ensure_tenant(LOCAL_TENANT))
+    return TenantDirectory(local=await store.tenants.ensure(LOCAL_TENANT))
 
 
 def build_engine(settings: Settings) -> EngineClient:

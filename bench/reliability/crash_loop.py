@@ -158,7 +158,7 @@ async def _round(server, convs, rng, args, report) -> None:
 async def _check(redis_url: str, convs: list[Conversation], report: CrashReport) -> None:
     store = await Store.connect(redis_url, prefix=PREFIX)
     try:
-        tenant = await store.tenant_by_name(TENANT)
+        tenant = await store.tenants.by_name(TENANT)
         for conv in convs:
             for log in conv.logs:
                 verdict = await verify(store, tenant.id, log)
@@ -219,7 +219,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> CrashReport:
             server.stop()
         store = await Store.connect(redis_server.url, prefix=PREFIX)
         try:
-            tenant = await store.tenant_by_name(TENANT)
+            tenant = await store.tenants.by_name(TENANT)
             for conv in convs:
                 for log in conv.logs:
                     verdict = await verify(store, tenant.id, log)

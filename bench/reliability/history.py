@@ -2,7 +2,7 @@
 
 Acknowledged turns must be in the stored history, in order, word for word. A
 turn that was cut off may or may not be there: the service can die after
-``append_turn`` committed but before the ``done`` event reached the client
+the turn's ``commit_turn`` but before the ``done`` event reached the client
 ("committed, unacknowledged"); such a turn, if stored, must be whole and must be
 the turn that was in flight. Nothing else may appear.
 """
@@ -47,8 +47,8 @@ class Verdict:
 async def verify(store: Store, tenant_id: str, log: ConversationLog) -> Verdict:
     """Compare the session in Redis with the client's log; an empty ``problems`` is a pass."""
     problems: list[str] = []
-    session = await store.get_session(tenant_id, log.session_id)
-    messages = await store.get_messages(tenant_id, log.session_id)
+    session = await store.sessions.get(tenant_id, log.session_id)
+    messages = await store.tree.messages(tenant_id, log.session_id)
     if session is None or messages is None:
         return Verdict(log.session_id, ["session is gone"], 0, 0)
     if session.num_messages != len(messages):

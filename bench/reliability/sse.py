@@ -1,7 +1,7 @@
 """A minimal client for chatsvc's streaming turn (``POST /sessions/{id}/messages``, SSE).
 
 The client side of the acknowledgement rule: a turn is acknowledged when, and
-only when, the stream delivers a ``done`` event (sent after ``append_turn``
+only when, the stream delivers a ``done`` event (sent after ``commit_turn``
 committed). Everything else (an ``error`` event, a cut connection, an HTTP
 error) is not an acknowledgement.
 """

@@ -193,7 +193,7 @@ def _report(state: dict, args, checks: list) -> dict:
 async def _check(redis_url: str, prefix: str, convs) -> list:
     store = await Store.connect(redis_url, prefix=prefix)
     try:
-        tenant = await store.tenant_by_name(TENANT)
+        tenant = await store.tenants.by_name(TENANT)
         return [await verify(store, tenant.id, c.log) for c in convs]
     finally:
         await store.close()

@@ -4,7 +4,7 @@
     python -m bench.scaleout.store_turns --smoke
 
 Runs the store calls of one chat turn (turn lock, session and history reads,
-append_turn, release: what chatsvc/api/turn.py does, without a model) against
+commit_turn, release: what chatsvc/api/turn.py does, without a model) against
 two setups: one Valkey with the AOF fsynced on every write (``redis://``), and
 a primary with two replicas behind Sentinel (``redis+sentinel://``, every
 MULTI/EXEC confirmed by WAIT 1, AOF fsync always on every node). Reported per
@@ -63,11 +63,11 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
     rng = random.Random(0)
     store = await Store.connect(url, prefix="sizing")
     try:
-        tenant = await store.ensure_tenant("sizing")
+        tenant = await store.tenants.ensure("sizing")
         mem0 = _server_stats(primary)[2]
         system = [rng.randrange(49152) for _ in range(args.system_tokens)]
         sessions = [
-            await store.create_session(tenant.id, None, "You are brief." * 20, system, {})
+            await store.sessions.create(tenant.id, None, "You are brief." * 20, system, {})
             for _ in range(args.sessions)
         ]
         half = args.turn_tokens // 2
@@ -83,16 +83,17 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
                 sid = queue.get_nowait()
                 start = time.perf_counter()
                 try:
-                    async with store.turn_lock(tenant.id, sid) as lock:
-                        session = await store.get_session(tenant.id, sid)
-                        await store.get_messages(tenant.id, sid)
+                    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+                        session = await store.sessions.get(tenant.id, sid)
+                        await store.tree.messages(tenant.id, sid)
                         user = [rng.randrange(49152) for _ in range(half)]
                         answer = [rng.randrange(49152) for _ in range(half)]
-                        await store.append_turn(
+                        await store.branches.commit_turn(
                             tenant.id,
                             sid,
-                            MessageRecord(role="user", text="word " * half, token_ids=user),
-                            MessageRecord(
+                            parent_id=session.active_leaf,
+                            inputs=[MessageRecord(role="user", text="word " * half, token_ids=[])],
+                            output=MessageRecord(
                                 role="assistant",
                                 text="word " * half,
                                 token_ids=answer,
@@ -102,8 +103,8 @@ async def _turns(url: str, args, primary: redis.Redis) -> dict:
                                     completion_tokens=half,
                                 ),
                             ),
+                            prompt_token_ids=[*session.token_ids, *user],
                             lock=lock,
-                            token_ids=[*session.token_ids, *user, *answer],
                         )
                 except SessionBusyError:  # another worker holds this session: requeue it
                     busy += 1

@@ -12,7 +12,8 @@ from chatsvc.store.errors import (
     StoreUnavailableError,
     TurnLockLostError,
 )
-from chatsvc.store.store import Store, hash_api_key
+from chatsvc.store.store import Store
+from chatsvc.store.tenants import hash_api_key
 
 __all__ = [
     "InvalidInputError",

@@ -1,9 +1,9 @@
 """Branching: turns from any message, switching the active branch, deleting branches and items.
 
 Each message is stored once; a branch is a path through the tree (tree.py).
-Every method here that writes is one ``write_tree`` call: fenced by the turn
-lock, idempotent by its write id, atomic (writes.py, commit.py). Callers hold
-the session's turn lock (``Store.turn_lock``), so these writes never
+Every method here that writes is one ``TreeWriter.write`` call: fenced by the
+turn lock, idempotent by its write id, atomic (writes.py, commit.py). Callers
+hold the session's turn lock (``Sessions.turn_lock``), so these writes never
 interleave with a running turn: a write while a turn runs is a 409 upstream.
 """
 
@@ -14,6 +14,7 @@ import msgspec
 from chatsvc.store import validate as v
 from chatsvc.store.branch_read import Branch
 from chatsvc.store.commit import TreeWrite
+from chatsvc.store.context import StoreContext
 from chatsvc.store.errors import LimitExceededError, NotFoundError
 from chatsvc.store.keys import check_id
 from chatsvc.store.lock import RedisLock
@@ -22,7 +23,6 @@ from chatsvc.store.records import (
     ResponseRecord,
     SessionRecord,
     decode,
-    decode_tokens,
     encode,
     encode_tokens,
 )
@@ -30,89 +30,29 @@ from chatsvc.store.tree import (
     ROOT,
     branch_tokens,
     join_children,
-    leaf_paths,
     newest_continuation,
-    split_children,
     split_prompt,
     subtree,
 )
-from chatsvc.store.writes import Planned, TreeStore, Written
+from chatsvc.store.tree_read import Tree
+from chatsvc.store.writes import (
+    Planned,
+    TreeWriter,
+    Written,
+    next_summary,
+    plan_active,
+    plan_chain,
+    plan_kept_path,
+)
 
 
-class BranchStore(TreeStore):
-    """Branch reads and writes of ``Store``; see ``Store.connect`` to build one."""
+class Branches:
+    """``store.branches``: the writes to a session's messages (each under its turn lock)."""
 
-    # -- reads -------------------------------------------------------------------
-
-    async def get_branch(
-        self, tenant_id: str, session_id: str, leaf_id: str | None = None
-    ) -> Branch | None:
-        """The branch ending at ``leaf_id`` (None: the active one), read at one instant;
-        None if the session is not visible; ``NotFoundError`` if it holds no such
-        message. Refreshes the session's TTL."""
-        check_id("tenant", tenant_id)
-        check_id("session", session_id)
-        if leaf_id is not None:
-            check_id("message", leaf_id)
-        with self._unavailable():
-            branch = await self._read_branch(tenant_id, session_id, leaf_id)
-            if branch is not None:
-                await self._touch(session_id)
-        return branch
-
-    async def get_messages_by_id(
-        self, tenant_id: str, session_id: str, message_ids: list[str]
-    ) -> list[MessageRecord | None] | None:
-        """The session's messages of those ids (None where it holds none), in that
-        order; None if the session is not visible."""
-        check_id("tenant", tenant_id)
-        check_id("session", session_id)
-        for message_id in message_ids:
-            check_id("message", message_id)
-        with self._unavailable():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.get(self.keys.session(session_id))
-                if message_ids:
-                    pipe.hmget(self.keys.session_nodes(session_id), message_ids)
-                raw, *found = await pipe.execute()
-            if self._owned(raw, tenant_id) is None:
-                return None
-        raws = found[0] if found else []
-        return [None if r is None else decode(MessageRecord, r) for r in raws]
-
-    async def branch_histories(self, tenant_id: str, session_id: str) -> list[list[int]] | None:
-        """The token history of every branch, the active one first (its stored history),
-        read at one instant; None if the session is not visible. Leaves the TTL alone:
-        deleting reads it to find the KV to delete."""
-        check_id("tenant", tenant_id)
-        check_id("session", session_id)
-        with self._unavailable():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.get(self.keys.session(session_id))
-                pipe.get(self.keys.session_tokens(session_id))
-                pipe.hgetall(self.keys.session_nodes(session_id))
-                pipe.hgetall(self.keys.session_children(session_id))
-                raw, raw_tokens, raw_nodes, raw_children = await pipe.execute()
-        if self._owned(raw, tenant_id) is None:
-            return None
-        nodes = {k.decode(): decode(MessageRecord, v) for k, v in raw_nodes.items()}
-        children = {k.decode(): split_children(v) for k, v in raw_children.items()}
-        histories = [decode_tokens(raw_tokens) if raw_tokens else []]
-        for path in leaf_paths(nodes, children):
-            tokens = branch_tokens(path)
-            if tokens not in histories:
-                histories.append(tokens)
-        return histories
-
-    async def _children(self, session_id: str) -> dict[str, list[str]]:
-        raw = await self.redis.hgetall(self.keys.session_children(session_id))
-        return {k.decode(): split_children(value) for k, value in raw.items()}
-
-    async def _node(self, session_id: str, message_id: str) -> MessageRecord:
-        raw = await self.redis.hget(self.keys.session_nodes(session_id), message_id)
-        if raw is None:
-            raise NotFoundError(f"unknown message {message_id!r}")
-        return decode(MessageRecord, raw)
+    def __init__(self, context: StoreContext, tree: Tree, writer: TreeWriter) -> None:
+        self._ctx = context
+        self._tree = tree
+        self._writer = writer
 
     # -- turns -------------------------------------------------------------------
 
@@ -140,7 +80,7 @@ class BranchStore(TreeStore):
         last one's ids cover their text). Ids the records lack are assigned.
         ``response`` is stored with the turn. ``max_nodes`` caps the session's messages
         (``LimitExceededError``, nothing written). Fenced and idempotent as
-        ``write_tree``; None when an earlier send of this turn was already applied.
+        ``TreeWriter.write``; None when an earlier send of this turn was already applied.
         """
         for i, message in enumerate(inputs):
             v.check_message(f"inputs[{i}]", message, message.role)
@@ -164,11 +104,11 @@ class BranchStore(TreeStore):
                     output, token_ids=[*added, *output.token_ids], from_start=restart
                 )
             history = [*prompt, *output.token_ids]
-            return self._plan_chain(
+            return plan_chain(
                 branch, branch.leaf_id, [*records, answer], history, response=response
             )
 
-        return await self.write_tree(
+        return await self._writer.write(
             tenant_id, session_id, plan, lock=lock, write_id=turn_id, leaf=leaf
         )
 
@@ -191,13 +131,13 @@ class BranchStore(TreeStore):
 
         def plan(branch: Branch) -> Planned:
             _check_room(branch, len(records), max_nodes)
-            return self._plan_chain(branch, branch.leaf_id, records, None)
+            return plan_chain(branch, branch.leaf_id, records, None)
 
-        return await self.write_tree(tenant_id, session_id, plan, lock=lock, write_id=write_id)
+        return await self._writer.write(tenant_id, session_id, plan, lock=lock, write_id=write_id)
 
     # -- the active branch --------------------------------------------------------
 
-    async def switch_branch(
+    async def switch(
         self,
         tenant_id: str,
         session_id: str,
@@ -209,38 +149,21 @@ class BranchStore(TreeStore):
         """Make the branch through ``message_id`` active: from it, the newest child at
         every step down to a leaf. ``NotFoundError`` for an unknown message."""
         check_id("message", message_id)
-        with self._unavailable():
-            children = await self._children(session_id)
+        with self._ctx.unavailable():
+            children = await self._tree.children(session_id)
         chain = newest_continuation(children, message_id)
         leaf = chain[-1] if chain else message_id
 
         def plan(branch: Branch) -> Planned:
-            return self._plan_active(branch, branch)
+            return plan_active(branch, branch)
 
-        return await self.write_tree(
+        return await self._writer.write(
             tenant_id, session_id, plan, lock=lock, write_id=write_id, leaf=leaf
         )
 
-    def _plan_active(self, branch: Branch, new: Branch, write: TreeWrite | None = None) -> Planned:
-        """The write (``write``'s changes, if given) that makes ``new`` the active branch."""
-        tokens = new.tokens()
-        summary = self.next_summary(
-            branch.session,
-            active_leaf=new.leaf_id,
-            num_messages=len(new.messages),
-            num_tokens=len(tokens),
-            num_nodes=branch.session.num_nodes - len(write.node_dels if write else ()),
-        )
-        write = write or TreeWrite(summary=None)
-        write.summary = encode(summary)
-        write.tokens = encode_tokens(tokens)
-        write.path_keep = new.shared
-        write.path_tail = new.ids[new.shared :]
-        return Planned(write, Written(session=SessionRecord.from_summary(summary, tokens)))
-
     # -- deleting -----------------------------------------------------------------
 
-    async def delete_branch(
+    async def delete(
         self,
         tenant_id: str,
         session_id: str,
@@ -256,18 +179,14 @@ class BranchStore(TreeStore):
         check_id("message", message_id)
 
         async def plan(branch: Branch) -> Planned:
-            top = await self._node(session_id, message_id)
-            children = await self._children(session_id)
-            responses = await self._response_outputs(session_id)
-            return await self._plan_removal(tenant_id, branch, top, children, responses)
+            top = await self._tree.node(session_id, message_id)
+            children = await self._tree.children(session_id)
+            responses = await self._tree.response_outputs(session_id)
+            return await self.plan_removal(tenant_id, branch, top, children, responses)
 
-        return await self.write_tree(tenant_id, session_id, plan, lock=lock, write_id=write_id)
+        return await self._writer.write(tenant_id, session_id, plan, lock=lock, write_id=write_id)
 
-    async def _response_outputs(self, session_id: str) -> dict[str, str]:
-        raw = await self.redis.hgetall(self.keys.session_responses(session_id))
-        return {k.decode(): decode(ResponseRecord, r).output_id for k, r in raw.items()}
-
-    async def _plan_removal(
+    async def plan_removal(
         self,
         tenant_id: str,
         branch: Branch,
@@ -275,10 +194,11 @@ class BranchStore(TreeStore):
         children: dict[str, list[str]],
         responses: dict[str, str],
         *,
-        keep_responses: frozenset[str] = frozenset(),
         extra_response_dels: tuple[str, ...] = (),
     ) -> Planned:
-        """The write that removes ``top``'s subtree (``branch``: the active one)."""
+        """The write that removes ``top``'s subtree (``branch``: the active one), and
+        makes the parent's newest remaining continuation active if the active
+        branch goes with it; ``responses``: each response -> its answer's id."""
         removed = subtree(children, top.id)
         gone = set(removed)
         parent_key = top.parent_id or ROOT
@@ -289,29 +209,17 @@ class BranchStore(TreeStore):
             write.child_sets[parent_key] = join_children(siblings)
         else:
             write.child_dels.append(parent_key)
-        write.response_dels = [
-            rid for rid, out in responses.items() if out in gone and rid not in keep_responses
-        ]
+        write.response_dels = [rid for rid, out in responses.items() if out in gone]
         write.response_dels += [r for r in extra_response_dels if r not in write.response_dels]
         if branch.session.active_leaf not in gone:
-            return self._plan_kept_path(branch, write)
+            return plan_kept_path(branch, write)
         remaining = {**children, parent_key: siblings}
         chain = newest_continuation(remaining, parent_key)
         leaf = chain[-1] if chain else top.parent_id
-        new = await self._read_branch(tenant_id, branch.session.id, leaf or ROOT)
+        new = await self._tree.read_branch(tenant_id, branch.session.id, leaf or ROOT)
         if new is None:
             raise NotFoundError(f"unknown session {branch.session.id!r}")
-        return self._plan_active(branch, new, write)
-
-    def _plan_kept_path(self, branch: Branch, write: TreeWrite, **changes) -> Planned:
-        """``write`` (and summary ``changes``) with the active branch as it is: none of
-        its messages is touched."""
-        summary = self.next_summary(
-            branch.session, num_nodes=branch.session.num_nodes - len(write.node_dels), **changes
-        )
-        write.summary = encode(summary)
-        session = SessionRecord.from_summary(summary, branch.tokens())
-        return Planned(write, Written(session=session))
+        return plan_active(branch, new, write)
 
     async def delete_message(
         self,
@@ -329,13 +237,13 @@ class BranchStore(TreeStore):
         check_id("message", message_id)
 
         async def plan(branch: Branch) -> Planned:
-            top = await self._node(session_id, message_id)
-            children = await self._children(session_id)
-            responses = await self._response_outputs(session_id)
+            top = await self._tree.node(session_id, message_id)
+            children = await self._tree.children(session_id)
+            responses = await self._tree.response_outputs(session_id)
             kids = children.get(message_id, [])
             parent_key = top.parent_id or ROOT
             below = subtree(children, message_id)[1:]
-            raws = await self.redis.hmget(self.keys.session_nodes(session_id), below)
+            raws = await self._ctx.redis.hmget(self._ctx.keys.session_nodes(session_id), below)
             write = TreeWrite(summary=None, node_dels=[message_id])
             for raw in raws:
                 record = decode(MessageRecord, raw)
@@ -357,14 +265,14 @@ class BranchStore(TreeStore):
                 write.child_dels.append(message_id)
             write.response_dels = [r for r, out in responses.items() if out == message_id]
             if message_id not in branch.ids:
-                return self._plan_kept_path(branch, write)
+                return plan_kept_path(branch, write)
             at = branch.ids.index(message_id)
             path = [
                 *branch.messages[:at],
                 *(decode(MessageRecord, write.node_sets[m.id]) for m in branch.messages[at + 1 :]),
             ]
             tokens = branch_tokens(path)
-            summary = self.next_summary(
+            summary = next_summary(
                 branch.session,
                 active_leaf=path[-1].id if path else None,
                 num_messages=len(path),
@@ -377,7 +285,7 @@ class BranchStore(TreeStore):
             write.path_tail = [m.id for m in path[at:]]
             return Planned(write, Written(session=SessionRecord.from_summary(summary, tokens)))
 
-        return await self.write_tree(tenant_id, session_id, plan, lock=lock, write_id=write_id)
+        return await self._writer.write(tenant_id, session_id, plan, lock=lock, write_id=write_id)
 
     # -- metadata -----------------------------------------------------------------
 
@@ -394,9 +302,9 @@ class BranchStore(TreeStore):
         meta = v.check_metadata(metadata)
 
         def plan(branch: Branch) -> Planned:
-            return self._plan_kept_path(branch, TreeWrite(summary=None), metadata=meta)
+            return plan_kept_path(branch, TreeWrite(summary=None), metadata=meta)
 
-        return await self.write_tree(tenant_id, session_id, plan, lock=lock, write_id=write_id)
+        return await self._writer.write(tenant_id, session_id, plan, lock=lock, write_id=write_id)
 
 
 def _check_room(branch: Branch, adding: int, max_nodes: int | None) -> None:

@@ -39,6 +39,8 @@ from typing import Literal, NamedTuple
 
 import redis.asyncio as aredis
 
+from chatsvc.store.keys import Keys
+
 # How many applied write ids a session remembers. A resend arrives within the
 # client's retry backoff, long before this many writes of one session (one at
 # a time, under the turn lock) could have landed after it.
@@ -191,6 +193,20 @@ class SessionKeys(NamedTuple):
     commits: str
     lock: str
     index: str  # the tenant's session index
+
+    @classmethod
+    def of(cls, keys: Keys, tenant_id: str, session_id: str) -> SessionKeys:
+        return cls(
+            summary=keys.session(session_id),
+            tokens=keys.session_tokens(session_id),
+            nodes=keys.session_nodes(session_id),
+            children=keys.session_children(session_id),
+            path=keys.session_path(session_id),
+            responses=keys.session_responses(session_id),
+            commits=keys.session_commits(session_id),
+            lock=keys.session_lock(session_id),
+            index=keys.tenant_sessions(tenant_id),
+        )
 
 
 @dataclass

@@ -18,6 +18,7 @@ import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
 from chatsvc.store.connection import is_transport_error
+from chatsvc.store.context import MAX_WATCH_RETRIES, StoreContext
 from chatsvc.store.errors import (
     InvalidInputError,
     InvalidInputTypeError,
@@ -27,13 +28,17 @@ from chatsvc.store.errors import (
 )
 from chatsvc.store.keys import check_id
 from chatsvc.store.records import SystemPromptRecord, decode, encode, now
-from chatsvc.store.sessions import MAX_WATCH_RETRIES, SessionStore
+from chatsvc.store.tenants import Tenants
 
 
-class PromptStore(SessionStore):
-    """System-prompt methods of ``Store``."""
+class Prompts:
+    """``store.prompts``: tenants' private system prompts and the operator's shared ones."""
 
-    async def create_system_prompt(
+    def __init__(self, context: StoreContext, tenants: Tenants) -> None:
+        self._ctx = context
+        self._tenants = tenants
+
+    async def create(
         self,
         tenant_id: str,
         name: str,
@@ -46,7 +51,7 @@ class PromptStore(SessionStore):
         """Store a private system prompt owned by ``tenant_id``.
 
         ``shared`` must be False: a tenant cannot share (see the module doc and
-        ``create_shared_prompt``). ``limit``: the most prompts the tenant may
+        ``create_shared``). ``limit``: the most prompts the tenant may
         own; at the limit, raises ``LimitExceededError``. Raises ``NotFoundError``
         for an unknown tenant.
         """
@@ -58,12 +63,12 @@ class PromptStore(SessionStore):
             )
         check_id("tenant", tenant_id)
         prompt = _new_prompt(tenant_id, name, text, token_ids)
-        with self._unavailable():
-            await self._require_tenant(tenant_id)
-            await self._insert(prompt, self.keys.tenant_prompts(tenant_id), limit)
+        with self._ctx.unavailable():
+            await self._tenants.require(tenant_id)
+            await self._insert(prompt, self._ctx.keys.tenant_prompts(tenant_id), limit)
         return prompt
 
-    async def create_shared_prompt(
+    async def create_shared(
         self, name: str, text: str, token_ids: list[int], *, limit: int | None = None
     ) -> SystemPromptRecord:
         """Publish a shared system prompt (an operator action): every tenant can read it.
@@ -71,31 +76,37 @@ class PromptStore(SessionStore):
         ``limit``: the most shared prompts there may be; at it, ``LimitExceededError``.
         """
         prompt = _new_prompt(None, name, text, token_ids)
-        with self._unavailable():
-            await self._insert(prompt, self.keys.shared_prompts(), limit)
+        with self._ctx.unavailable():
+            await self._insert(prompt, self._ctx.keys.shared_prompts(), limit)
         return prompt
 
-    async def get_system_prompt(self, tenant_id: str, prompt_id: str) -> SystemPromptRecord | None:
+    async def get(self, tenant_id: str, prompt_id: str) -> SystemPromptRecord | None:
         """The prompt if ``tenant_id`` owns it or it is shared; else None."""
         check_id("tenant", tenant_id)
-        with self._unavailable():
-            return await self._visible_prompt(tenant_id, prompt_id)
+        check_id("system prompt", prompt_id)
+        with self._ctx.unavailable():
+            raw = await self._ctx.redis.get(self._ctx.keys.prompt(prompt_id))
+        if raw is None:
+            return None
+        prompt = decode(SystemPromptRecord, raw)
+        return prompt if prompt.shared or prompt.tenant_id == tenant_id else None
 
-    async def list_system_prompts(self, tenant_id: str) -> list[SystemPromptRecord]:
+    async def visible(self, tenant_id: str) -> list[SystemPromptRecord]:
         """The tenant's own prompts and every shared one, oldest first."""
         check_id("tenant", tenant_id)
-        with self._unavailable():
-            ids = await self.redis.sunion(
-                [self.keys.tenant_prompts(tenant_id), self.keys.shared_prompts()]
-            )
+        keys = self._ctx.keys
+        with self._ctx.unavailable():
+            own, shared = keys.tenant_prompts(tenant_id), keys.shared_prompts()
+            ids = await self._ctx.redis.sunion([own, shared])
             return await self._load_prompts(ids)
 
-    async def list_shared_prompts(self) -> list[SystemPromptRecord]:
+    async def all_shared(self) -> list[SystemPromptRecord]:
         """Every shared prompt, oldest first."""
-        with self._unavailable():
-            return await self._load_prompts(await self.redis.smembers(self.keys.shared_prompts()))
+        with self._ctx.unavailable():
+            ids = await self._ctx.redis.smembers(self._ctx.keys.shared_prompts())
+            return await self._load_prompts(ids)
 
-    async def delete_system_prompt(self, tenant_id: str, prompt_id: str) -> bool:
+    async def delete(self, tenant_id: str, prompt_id: str) -> bool:
         """Delete the tenant's own prompt; False if it is not one (unknown, foreign or shared).
 
         Sessions started on it keep working: they hold their own copy of its
@@ -103,32 +114,35 @@ class PromptStore(SessionStore):
         """
         check_id("tenant", tenant_id)
         check_id("system prompt", prompt_id)
-        with self._unavailable():
+        with self._ctx.unavailable():
             return await self._delete(
                 prompt_id,
-                self.keys.tenant_prompts(tenant_id),
+                self._ctx.keys.tenant_prompts(tenant_id),
                 lambda p: not p.shared and p.tenant_id == tenant_id,
             )
 
-    async def delete_shared_prompt(self, prompt_id: str) -> bool:
+    async def delete_shared(self, prompt_id: str) -> bool:
         """Withdraw a shared prompt (an operator action); False if ``prompt_id`` is not one."""
         check_id("system prompt", prompt_id)
-        with self._unavailable():
+        with self._ctx.unavailable():
             return await self._delete(
-                prompt_id, self.keys.shared_prompts(), lambda p: p.shared and p.tenant_id is None
+                prompt_id,
+                self._ctx.keys.shared_prompts(),
+                lambda p: p.shared and p.tenant_id is None,
             )
 
     # -- helpers -------------------------------------------------------------
 
     async def _load_prompts(self, ids) -> list[SystemPromptRecord]:
         ordered = sorted(i.decode() for i in ids)
-        raws = await self.redis.mget([self.keys.prompt(i) for i in ordered]) if ordered else []
+        keys = [self._ctx.keys.prompt(i) for i in ordered]
+        raws = await self._ctx.redis.mget(keys) if ordered else []
         prompts = [decode(SystemPromptRecord, raw) for raw in raws if raw is not None]
         return sorted(prompts, key=lambda p: (p.created_at, p.id))
 
     async def _insert(self, prompt: SystemPromptRecord, index: str, limit: int | None) -> None:
         for _ in range(MAX_WATCH_RETRIES):
-            async with self.redis.pipeline(transaction=True) as pipe:
+            async with self._ctx.redis.pipeline(transaction=True) as pipe:
                 # WATCH the index: a rival create or delete between the count and
                 # EXEC voids the EXEC, and the count is taken again.
                 await pipe.watch(index)
@@ -137,7 +151,7 @@ class PromptStore(SessionStore):
                 pipe.multi()
                 # Same id on every attempt: a replay after a lost reply rewrites
                 # the same record and set member, so it adds nothing.
-                pipe.set(self.keys.prompt(prompt.id), encode(prompt))
+                pipe.set(self._ctx.keys.prompt(prompt.id), encode(prompt))
                 pipe.sadd(index, prompt.id)
                 try:
                     await pipe.execute()
@@ -147,9 +161,9 @@ class PromptStore(SessionStore):
         raise _gave_up("create", conflict)
 
     async def _delete(self, prompt_id: str, index: str, deletable) -> bool:
-        key = self.keys.prompt(prompt_id)
+        key = self._ctx.keys.prompt(prompt_id)
         for _ in range(MAX_WATCH_RETRIES):
-            async with self.redis.pipeline(transaction=True) as pipe:
+            async with self._ctx.redis.pipeline(transaction=True) as pipe:
                 await pipe.watch(key)
                 raw = await pipe.get(key)
                 if raw is None or not deletable(decode(SystemPromptRecord, raw)):

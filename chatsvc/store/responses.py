@@ -15,14 +15,17 @@ from __future__ import annotations
 import secrets
 
 from chatsvc.store.branch_read import Branch
-from chatsvc.store.branches import BranchStore
+from chatsvc.store.branches import Branches
 from chatsvc.store.commit import TreeWrite
+from chatsvc.store.context import StoreContext
 from chatsvc.store.errors import NotFoundError
 from chatsvc.store.keys import check_id
 from chatsvc.store.lock import RedisLock
 from chatsvc.store.records import MessageRecord, ResponseRecord, SessionRecord, decode
+from chatsvc.store.sessions import owned
 from chatsvc.store.tree import subtree
-from chatsvc.store.writes import Planned, Written
+from chatsvc.store.tree_read import Tree
+from chatsvc.store.writes import Planned, TreeWriter, Written, plan_kept_path
 
 RESPONSE_ID_PREFIX = "resp_"
 
@@ -46,26 +49,35 @@ def response_session(response_id: object) -> str | None:
         return None
 
 
-class ResponseStore(BranchStore):
-    """Response records of ``Store``; see ``Store.connect`` to build one."""
+class Responses:
+    """``store.responses``: the Responses API's records, beside the messages of a session."""
 
-    async def get_response(self, tenant_id: str, response_id: str) -> ResponseRecord | None:
+    def __init__(
+        self, context: StoreContext, tree: Tree, writer: TreeWriter, branches: Branches
+    ) -> None:
+        self._ctx = context
+        self._tree = tree
+        self._writer = writer
+        self._branches = branches
+
+    async def get(self, tenant_id: str, response_id: str) -> ResponseRecord | None:
         """The response, or None if unknown, deleted, expired or another tenant's."""
         check_id("tenant", tenant_id)
         session_id = response_session(response_id)
         if session_id is None:
             return None
-        with self._unavailable():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.get(self.keys.session(session_id))
-                pipe.hget(self.keys.session_responses(session_id), response_id)
+        keys = self._ctx.keys
+        with self._ctx.unavailable():
+            async with self._ctx.redis.pipeline(transaction=True) as pipe:
+                pipe.get(keys.session(session_id))
+                pipe.hget(keys.session_responses(session_id), response_id)
                 raw, raw_response = await pipe.execute()
-            if self._owned(raw, tenant_id) is None or raw_response is None:
+            if owned(raw, tenant_id) is None or raw_response is None:
                 return None
-            await self._touch(session_id)
+            await self._ctx.touch(session_id)
         return decode(ResponseRecord, raw_response)
 
-    async def delete_response(
+    async def delete(
         self,
         tenant_id: str,
         response_id: str,
@@ -86,30 +98,30 @@ class ResponseStore(BranchStore):
             raise NotFoundError(f"unknown response {response_id!r}")
 
         async def plan(branch: Branch) -> Planned:
-            raw = await self.redis.hget(self.keys.session_responses(session_id), rid)
+            raw = await self._ctx.redis.hget(self._ctx.keys.session_responses(session_id), rid)
             if raw is None:
                 raise NotFoundError(f"unknown response {rid!r}")
             record = decode(ResponseRecord, raw)
             only_record = TreeWrite(summary=None, response_dels=[rid])
             if record.conversation_id is not None:
-                return self._plan_kept_path(branch, only_record)
-            children = await self._children(session_id)
-            outputs = await self._response_outputs(session_id)
+                return plan_kept_path(branch, only_record)
+            children = await self._tree.children(session_id)
+            outputs = await self._tree.response_outputs(session_id)
             kept_outputs = {out for r, out in outputs.items() if r != rid}
             top = await self._prunable_top(session_id, record, children, kept_outputs)
             if top is None:
-                return self._plan_kept_path(branch, only_record)
+                return plan_kept_path(branch, only_record)
             if not kept_outputs and branch.session.kind == "response":
                 if len(subtree(children, top.id)) == branch.session.num_nodes:
                     # Nothing is left that anyone made: the session goes whole.
                     session = SessionRecord.from_summary(branch.session, [])
                     return Planned(TreeWrite(summary=None), Written(session=session))
-            return await self._plan_removal(
+            return await self._branches.plan_removal(
                 tenant_id, branch, top, children, outputs, extra_response_dels=(rid,)
             )
 
         rid = response_id
-        return await self.write_tree(tenant_id, session_id, plan, lock=lock, write_id=write_id)
+        return await self._writer.write(tenant_id, session_id, plan, lock=lock, write_id=write_id)
 
     async def _prunable_top(
         self,
@@ -127,12 +139,12 @@ class ResponseStore(BranchStore):
         if top_id is None:
             return None
         try:
-            top = await self._node(session_id, top_id)
+            top = await self._tree.node(session_id, top_id)
         except NotFoundError:
             return None  # its messages were deleted as conversation items
         while top.parent_id is not None:
             parent_id = top.parent_id
             if children.get(parent_id) != [top.id] or parent_id in kept_outputs:
                 break
-            top = await self._node(session_id, parent_id)
+            top = await self._tree.node(session_id, parent_id)
         return top

@@ -1,4 +1,4 @@
-"""Sessions and their turns: the half of ``Store`` that a chat turn touches.
+"""Sessions: creating, reading, listing and deleting them, and the turn lock.
 
 Keys per session (all sharing the ``{<sid>}`` hash tag, see keys.py): the
 summary, the active branch's token history, the message tree (records, child
@@ -9,7 +9,8 @@ index (a sorted set by updated_at) does not expire; ids whose session has
 expired are pruned from it lazily, when listing meets them.
 
 Creating a session and every later write are Lua scripts (``commit.py``):
-each is fenced, idempotent and atomic. The writes live in writes.py and branches.py.
+each is fenced, idempotent and atomic. The later writes live in writes.py,
+branches.py and responses.py; reads of the message tree in tree_read.py.
 """
 
 from __future__ import annotations
@@ -17,138 +18,58 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
+from collections.abc import AsyncIterator
 
-import redis.asyncio as aredis
 import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
-from chatsvc.store.branch_read import Branch, BranchReader, UnknownMessage
-from chatsvc.store.commit import CommitScripts, NewSession, SessionKeys
-from chatsvc.store.connection import is_transport_error, unavailable_on_failure
+from chatsvc.store.commit import NewSession, SessionKeys
+from chatsvc.store.connection import is_transport_error
+from chatsvc.store.context import MAX_WATCH_RETRIES, StoreContext
 from chatsvc.store.errors import (
     NotFoundError,
+    SessionBusyError,
     StoreError,
     StoreUnavailableError,
 )
-from chatsvc.store.keys import Keys, check_id
+from chatsvc.store.keys import check_id
 from chatsvc.store.listing import MAX_LIST_LIMIT, decode_cursor, read_page
+from chatsvc.store.lock import RedisLock, keep_held
+from chatsvc.store.prompts import Prompts
 from chatsvc.store.records import (
     SESSION_KINDS,
     MessageRecord,
     ResponseRecord,
     SessionRecord,
     SessionSummary,
-    SystemPromptRecord,
-    TenantRecord,
     decode,
     decode_tokens,
     encode,
     encode_tokens,
     now,
 )
+from chatsvc.store.tenants import Tenants
 from chatsvc.store.tree import ROOT, branch_tokens, chain_children, link_chain
 
-# A conflict means another writer changed the session between our read and our
-# write; with the turn lock held that is rare, so a few retries are plenty.
-MAX_WATCH_RETRIES = 8
-MAX_TURN_ID_CHARS = 128
+
+def owned(raw: bytes | None, tenant_id: str) -> SessionSummary | None:
+    """The summary stored as ``raw`` if ``tenant_id`` owns it; None for a missing or
+    foreign one, so another tenant's session reads exactly like an unknown id."""
+    if raw is None:
+        return None
+    session = decode(SessionSummary, raw)
+    return session if session.tenant_id == tenant_id else None
 
 
-class SessionStore:
-    """Session methods of ``Store``; see ``Store.connect`` to build one."""
+class Sessions:
+    """``store.sessions``: a session as a whole, and the lock its turns take."""
 
-    def __init__(
-        self, client: aredis.Redis, url: str, keys: Keys, *, session_ttl_s: float | None
-    ) -> None:
-        if session_ttl_s is not None and session_ttl_s <= 0:
-            raise ValueError(f"session_ttl_s must be > 0 or None, got {session_ttl_s}")
-        self.redis = client
-        self.url = url
-        self.keys = keys
-        self.session_ttl_s = session_ttl_s
-        self._scripts = CommitScripts(client)
-        self._reader = BranchReader(client)
+    def __init__(self, context: StoreContext, tenants: Tenants, prompts: Prompts) -> None:
+        self._ctx = context
+        self._tenants = tenants
+        self._prompts = prompts
 
-    def _unavailable(self) -> contextlib.AbstractContextManager[None]:
-        return unavailable_on_failure(self.url)
-
-    # -- shared lookups ------------------------------------------------------
-
-    async def _tenant(self, tenant_id: str) -> TenantRecord | None:
-        raw = await self.redis.get(self.keys.tenant(tenant_id))
-        return None if raw is None else decode(TenantRecord, raw)
-
-    async def _require_tenant(self, tenant_id: str) -> None:
-        check_id("tenant", tenant_id)
-        if not await self.redis.exists(self.keys.tenant(tenant_id)):
-            raise NotFoundError(f"unknown tenant {tenant_id!r}")
-
-    async def _visible_prompt(self, tenant_id: str, prompt_id: str) -> SystemPromptRecord | None:
-        check_id("system prompt", prompt_id)
-        raw = await self.redis.get(self.keys.prompt(prompt_id))
-        if raw is None:
-            return None
-        prompt = decode(SystemPromptRecord, raw)
-        return prompt if prompt.shared or prompt.tenant_id == tenant_id else None
-
-    async def _visible_session(self, tenant_id: str, session_id: str) -> SessionSummary | None:
-        check_id("tenant", tenant_id)
-        check_id("session", session_id)
-        raw = await self.redis.get(self.keys.session(session_id))
-        return self._owned(raw, tenant_id)
-
-    @staticmethod
-    def _owned(raw: bytes | None, tenant_id: str) -> SessionSummary | None:
-        if raw is None:
-            return None
-        session = decode(SessionSummary, raw)
-        return session if session.tenant_id == tenant_id else None
-
-    def _session_keys(self, tenant_id: str, session_id: str) -> SessionKeys:
-        return SessionKeys(
-            summary=self.keys.session(session_id),
-            tokens=self.keys.session_tokens(session_id),
-            nodes=self.keys.session_nodes(session_id),
-            children=self.keys.session_children(session_id),
-            path=self.keys.session_path(session_id),
-            responses=self.keys.session_responses(session_id),
-            commits=self.keys.session_commits(session_id),
-            lock=self.keys.session_lock(session_id),
-            index=self.keys.tenant_sessions(tenant_id),
-        )
-
-    async def _read_branch(
-        self, tenant_id: str, session_id: str, leaf: str | None = None
-    ) -> Branch | None:
-        """The branch ending at ``leaf`` (None: the active one); None if the session is
-        not visible; ``NotFoundError`` if it holds no such message."""
-        k = self.keys
-        keys = (
-            k.session(session_id),
-            k.session_path(session_id),
-            k.session_nodes(session_id),
-            k.session_children(session_id),
-            k.session_tokens(session_id),
-        )
-        try:
-            return await self._reader.read(keys, tenant_id, leaf)
-        except UnknownMessage:
-            raise NotFoundError(f"unknown message {leaf!r}") from None
-
-    def _ttl_ms(self) -> int | None:
-        return None if self.session_ttl_s is None else max(1, int(self.session_ttl_s * 1000))
-
-    async def _touch(self, session_id: str) -> None:
-        ttl_ms = self._ttl_ms()
-        if ttl_ms is not None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                for key in self.keys.session_data_keys(session_id):
-                    pipe.pexpire(key, ttl_ms)
-                await pipe.execute()
-
-    # -- sessions ------------------------------------------------------------
-
-    async def create_session(
+    async def create(
         self,
         tenant_id: str,
         system_prompt_id: str | None,
@@ -221,61 +142,50 @@ class SessionStore:
         )
         if response is not None:
             new.response_sets[response.id] = encode(response)
-        with self._unavailable():
-            await self._require_tenant(tenant_id)
+        with self._ctx.unavailable():
+            await self._tenants.require(tenant_id)
             if system_prompt_id is not None:
-                if await self._visible_prompt(tenant_id, system_prompt_id) is None:
+                if await self._prompts.get(tenant_id, system_prompt_id) is None:
                     raise NotFoundError(f"unknown system prompt {system_prompt_id!r}")
-            await self._scripts.create(
-                self._session_keys(tenant_id, session.id),
+            await self._ctx.scripts.create(
+                SessionKeys.of(self._ctx.keys, tenant_id, session.id),
                 new,
                 session_id=session.id,
                 score=created,
-                ttl_ms=self._ttl_ms(),
+                ttl_ms=self._ctx.ttl_ms(),
             )
         return session
 
-    async def get_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
+    async def get(self, tenant_id: str, session_id: str) -> SessionRecord | None:
         """The session, or None if unknown, expired or another tenant's. Refreshes its TTL."""
         check_id("tenant", tenant_id)
         check_id("session", session_id)
-        with self._unavailable():
-            session = await self._read_session(tenant_id, session_id)
+        with self._ctx.unavailable():
+            session = await self._read(tenant_id, session_id)
             if session is not None:
-                await self._touch(session_id)
+                await self._ctx.touch(session_id)
         return session
 
-    async def peek_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
-        """Like ``get_session`` but leaves its TTL alone: a read on another session's behalf."""
+    async def peek(self, tenant_id: str, session_id: str) -> SessionRecord | None:
+        """Like ``get`` but leaves its TTL alone: a read on another session's behalf."""
         check_id("tenant", tenant_id)
         check_id("session", session_id)
-        with self._unavailable():
-            return await self._read_session(tenant_id, session_id)
+        with self._ctx.unavailable():
+            return await self._read(tenant_id, session_id)
 
-    async def _read_session(self, tenant_id: str, session_id: str) -> SessionRecord | None:
+    async def _read(self, tenant_id: str, session_id: str) -> SessionRecord | None:
         # One MULTI so the summary and the token history are read at the same instant.
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.get(self.keys.session(session_id))
-            pipe.get(self.keys.session_tokens(session_id))
+        async with self._ctx.redis.pipeline(transaction=True) as pipe:
+            pipe.get(self._ctx.keys.session(session_id))
+            pipe.get(self._ctx.keys.session_tokens(session_id))
             raw, raw_tokens = await pipe.execute()
-        summary = self._owned(raw, tenant_id)
+        summary = owned(raw, tenant_id)
         if summary is None:
             return None
         tokens = [] if raw_tokens is None else decode_tokens(raw_tokens)
         return SessionRecord.from_summary(summary, tokens)
 
-    async def get_messages(self, tenant_id: str, session_id: str) -> list[MessageRecord] | None:
-        """The messages of the active branch, oldest first; None if the session is not visible."""
-        check_id("tenant", tenant_id)
-        check_id("session", session_id)
-        with self._unavailable():
-            branch = await self._read_branch(tenant_id, session_id)
-            if branch is None:
-                return None
-            await self._touch(session_id)
-        return branch.messages
-
-    async def list_sessions(
+    async def list_page(
         self,
         tenant_id: str,
         limit: int = 100,
@@ -297,61 +207,84 @@ class SessionStore:
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
             raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         after = (math.inf, None) if cursor is None else decode_cursor(cursor)
-        index = self.keys.tenant_sessions(tenant_id)
-        with self._unavailable():
+        index = self._ctx.keys.tenant_sessions(tenant_id)
+        with self._ctx.unavailable():
             page = await read_page(
-                self.redis,
+                self._ctx.redis,
                 index,
-                self.keys.session,
-                lambda raw: self._owned(raw, tenant_id),
+                self._ctx.keys.session,
+                lambda raw: owned(raw, tenant_id),
                 after=after,
                 limit=limit,
                 max_bytes=max_bytes,
             )
             if page.expired:
-                await self.redis.zrem(index, *page.expired)
+                await self._ctx.redis.zrem(index, *page.expired)
         return page.summaries, page.next_cursor
 
-    async def count_sessions(self, tenant_id: str) -> int:
+    async def count(self, tenant_id: str) -> int:
         """Size of the tenant's session index: an upper bound, as expired ids
         count until a listing prunes them."""
         check_id("tenant", tenant_id)
-        with self._unavailable():
-            return await self.redis.zcard(self.keys.tenant_sessions(tenant_id))
+        with self._ctx.unavailable():
+            return await self._ctx.redis.zcard(self._ctx.keys.tenant_sessions(tenant_id))
 
-    async def delete_session(self, tenant_id: str, session_id: str) -> bool:
+    async def delete(self, tenant_id: str, session_id: str) -> bool:
         """Remove every key of the session and its index entry; False if not visible."""
         check_id("tenant", tenant_id)
         check_id("session", session_id)
-        key = self.keys.session(session_id)
-        with self._unavailable():
+        keys = self._ctx.keys
+        key = keys.session(session_id)
+        with self._ctx.unavailable():
             for _ in range(MAX_WATCH_RETRIES):
-                async with self.redis.pipeline(transaction=True) as pipe:
+                async with self._ctx.redis.pipeline(transaction=True) as pipe:
                     await pipe.watch(key)
-                    if self._owned(await pipe.get(key), tenant_id) is None:
+                    if owned(await pipe.get(key), tenant_id) is None:
                         return False
                     pipe.multi()
-                    pipe.delete(*self.keys.session_keys(session_id))
-                    pipe.zrem(self.keys.tenant_sessions(tenant_id), session_id)
+                    pipe.delete(*keys.session_keys(session_id))
+                    pipe.zrem(keys.tenant_sessions(tenant_id), session_id)
                     try:
                         await pipe.execute()
                         return True
                     except rexc.WatchError as exc:
                         conflict = exc
-        raise self._gave_up(session_id, "delete", conflict)
+        raise _gave_up(session_id, "delete", conflict)
 
-    def _gave_up(self, session_id: str, action: str, conflict: rexc.WatchError) -> StoreError:
-        # redis-py turns a connection lost while WATCHing into a WatchError
-        # raised from the transport error; that is an outage, not contention.
-        if is_transport_error(conflict.__context__):
-            return StoreUnavailableError(
-                f"lost the connection to redis during {action} of session {session_id!r}; "
-                "nothing was written"
-            )
-        return StoreError(f"session {session_id!r} kept changing during {action}; try again")
+    @contextlib.asynccontextmanager
+    async def turn_lock(self, tenant_id: str, session_id: str) -> AsyncIterator[RedisLock]:
+        """Hold the session's turn lock for the block: one turn at a time per session.
+
+        Yields the lock, which every write to the session needs (``Branches``,
+        ``Responses``): a write commits only while its lock is still the
+        session's (fencing). Raises ``NotFoundError`` for an unknown (or another
+        tenant's) session and ``SessionBusyError`` if a turn is already running.
+        The lock is extended while the block runs, released when it exits (also
+        on exceptions), and expires after ``lock_ttl_s`` if this process dies or
+        stalls for that long.
+        """
+        check_id("tenant", tenant_id)
+        check_id("session", session_id)
+        keys = self._ctx.keys
+        with self._ctx.unavailable():
+            # The ownership check comes first, so a busy lock never reveals another
+            # tenant's session.
+            if owned(await self._ctx.redis.get(keys.session(session_id)), tenant_id) is None:
+                raise NotFoundError(f"unknown session {session_id!r}")
+            lock = RedisLock(self._ctx.redis, keys.session_lock(session_id), self._ctx.lock_ttl_s)
+            acquired = await lock.acquire()
+        if not acquired:
+            raise SessionBusyError(f"session {session_id!r} is already running a turn")
+        async with keep_held(lock):
+            yield lock
 
 
-def check_turn_id(turn_id: object) -> str:
-    if not isinstance(turn_id, str) or not 0 < len(turn_id) <= MAX_TURN_ID_CHARS:
-        raise ValueError(f"turn_id must be a non-empty str of at most {MAX_TURN_ID_CHARS} chars")
-    return turn_id
+def _gave_up(session_id: str, action: str, conflict: rexc.WatchError) -> StoreError:
+    # redis-py turns a connection lost while WATCHing into a WatchError
+    # raised from the transport error; that is an outage, not contention.
+    if is_transport_error(conflict.__context__):
+        return StoreUnavailableError(
+            f"lost the connection to redis during {action} of session {session_id!r}; "
+            "nothing was written"
+        )
+    return StoreError(f"session {session_id!r} kept changing during {action}; try again")

@@ -1,55 +1,61 @@
-"""The session store: tenants, system prompts, sessions and their turns in Redis.
+"""The session store: tenants, system prompts, sessions and their messages in Redis.
 
-One ``Store`` per process, shared by every request. Ids handed in by callers
-are checked before use; an id that belongs to another tenant behaves exactly
-like an unknown one (None / False / NotFoundError), so ids leak nothing.
-Tenants live in ``tenants.py``, system prompts in ``prompts.py``, sessions in
-``sessions.py``, their writes in ``writes.py`` and ``branches.py``, responses in
-``responses.py``; this class joins them with the connection and the lock.
+One ``Store`` per process, shared by every request. It is nothing but its
+collaborators, each a module of one concept over the one ``StoreContext``
+(the client, the key schema, the scripts, the settings):
+
+    store.tenants     Tenants     tenants.py     tenants by name
+    store.prompts     Prompts     prompts.py     private and shared system prompts
+    store.sessions    Sessions    sessions.py    create, read, list, delete; the turn lock
+    store.tree        Tree        tree_read.py   branches, messages, histories (reads)
+    store.branches    Branches    branches.py    turns, items, branch switches, deletes, metadata
+    store.responses   Responses   responses.py   the Responses API's records
+
+The writes of ``branches`` and ``responses`` share one read -> plan -> apply
+loop (``TreeWriter``, writes.py). Ids handed in by callers are checked before
+use; an id that belongs to another tenant behaves exactly like an unknown one
+(None / False / NotFoundError), so ids leak nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-from collections.abc import AsyncIterator
-
 import redis.asyncio as aredis
 
+from chatsvc.store.branches import Branches
 from chatsvc.store.connection import make_client, unavailable_on_failure
-from chatsvc.store.errors import NotFoundError, SessionBusyError
+from chatsvc.store.context import StoreContext
 from chatsvc.store.keys import Keys
-from chatsvc.store.lock import RedisLock, keep_held
-from chatsvc.store.prompts import PromptStore
-from chatsvc.store.responses import ResponseStore
+from chatsvc.store.prompts import Prompts
+from chatsvc.store.responses import Responses
 from chatsvc.store.schema import apply_pending
-from chatsvc.store.tenants import TenantStore
+from chatsvc.store.sessions import Sessions
+from chatsvc.store.tenants import Tenants
+from chatsvc.store.tree_read import Tree
+from chatsvc.store.writes import TreeWriter
 
 
-def hash_api_key(api_key: str) -> str:
-    """Hex sha256 of an API key: what key lookups compare (the key itself is kept nowhere)."""
-    return hashlib.sha256(api_key.encode()).hexdigest()
+class Store:
+    """The store's collaborators over one connection; see ``Store.connect`` to build one."""
 
+    def __init__(self, context: StoreContext) -> None:
+        self.context = context
+        self.tenants = Tenants(context)
+        self.prompts = Prompts(context, self.tenants)
+        self.sessions = Sessions(context, self.tenants, self.prompts)
+        self.tree = Tree(context)
+        writer = TreeWriter(context, self.tree)
+        self.branches = Branches(context, self.tree, writer)
+        self.responses = Responses(context, self.tree, writer, self.branches)
 
-class Store(ResponseStore, PromptStore, TenantStore):
-    """Tenants (``TenantStore``), system prompts (``PromptStore``), sessions
-    (``SessionStore``, their common base), their writes and branches
-    (``TreeStore``, ``BranchStore``) and stored responses (``ResponseStore``)
-    over one connection pool."""
+    @property
+    def redis(self) -> aredis.Redis:
+        """The client every collaborator shares (health checks ping it)."""
+        return self.context.redis
 
-    def __init__(
-        self,
-        client: aredis.Redis,
-        url: str,
-        keys: Keys,
-        *,
-        session_ttl_s: float | None = None,
-        lock_ttl_s: float = 30.0,
-    ) -> None:
-        super().__init__(client, url, keys, session_ttl_s=session_ttl_s)
-        if lock_ttl_s <= 0:
-            raise ValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s}")
-        self.lock_ttl_s = lock_ttl_s
+    @property
+    def keys(self) -> Keys:
+        """The key schema of this store's prefix."""
+        return self.context.keys
 
     @classmethod
     async def connect(
@@ -71,7 +77,10 @@ class Store(ResponseStore, PromptStore, TenantStore):
         keys = Keys(prefix)
         client = make_client(url, socket_timeout_s=socket_timeout_s, client_name=client_name)
         try:
-            store = cls(client, url, keys, session_ttl_s=session_ttl_s, lock_ttl_s=lock_ttl_s)
+            context = StoreContext.over(
+                client, url, keys, session_ttl_s=session_ttl_s, lock_ttl_s=lock_ttl_s
+            )
+            store = cls(context)
             with unavailable_on_failure(url):
                 await client.ping()
                 await apply_pending(client, keys)
@@ -82,27 +91,4 @@ class Store(ResponseStore, PromptStore, TenantStore):
 
     async def close(self) -> None:
         """Close the connection pool; the store is unusable afterwards."""
-        await self.redis.aclose()
-
-    # -- turn lock -----------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def turn_lock(self, tenant_id: str, session_id: str) -> AsyncIterator[RedisLock]:
-        """Hold the session's turn lock for the block: one turn at a time per session.
-
-        Yields the lock, which ``append_turn`` needs: a turn commits only while
-        its lock is still the session's (fencing). Raises ``NotFoundError`` for
-        an unknown (or another tenant's) session and ``SessionBusyError`` if a
-        turn is already running. The lock is extended while the block runs,
-        released when it exits (also on exceptions), and expires after
-        ``lock_ttl_s`` if this process dies or stalls for that long.
-        """
-        with self._unavailable():
-            if await self._visible_session(tenant_id, session_id) is None:
-                raise NotFoundError(f"unknown session {session_id!r}")
-            lock = RedisLock(self.redis, self.keys.session_lock(session_id), self.lock_ttl_s)
-            acquired = await lock.acquire()
-        if not acquired:
-            raise SessionBusyError(f"session {session_id!r} is already running a turn")
-        async with keep_held(lock):
-            yield lock
+        await self.context.redis.aclose()

@@ -30,10 +30,6 @@ def new_message_id() -> str:
     return MESSAGE_ID_PREFIX + secrets.token_hex(8)
 
 
-def is_message_id(value: object) -> bool:
-    return isinstance(value, str) and value.startswith(MESSAGE_ID_PREFIX)
-
-
 def split_children(raw: bytes | str | None) -> list[str]:
     """The child ids a ``children`` hash field holds (oldest first)."""
     if not raw:

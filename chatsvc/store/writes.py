@@ -1,10 +1,11 @@
 """Every write to an existing session: one read, one plan, one fenced script.
 
-``write_tree`` is the loop all of them share: read the branch the write starts
-from, let the caller plan a ``TreeWrite`` from it, and apply that with the
-checks of commit.py (already applied? session there? lock still ours? nothing
-changed since the read?). A conflict means another writer got in between; the
-loop reads and plans again. ``append_turn`` is the simplest such write.
+``TreeWriter.write`` is the loop all of them share: read the branch the write
+starts from, let the caller plan a ``TreeWrite`` from it, and apply that with
+the checks of commit.py (already applied? session there? lock still ours?
+nothing changed since the read?). A conflict means another writer got in
+between; the loop reads and plans again. The plans the writes of branches.py
+and responses.py have in common are the functions below: pure, no Redis.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import msgspec
 
 from chatsvc.store import validate as v
 from chatsvc.store.branch_read import Branch
-from chatsvc.store.commit import TreeWrite, fingerprint
+from chatsvc.store.commit import SessionKeys, TreeWrite, fingerprint
+from chatsvc.store.context import MAX_WATCH_RETRIES, StoreContext
 from chatsvc.store.errors import NotFoundError, StoreError, TurnLockLostError
 from chatsvc.store.keys import check_id
 from chatsvc.store.lock import RedisLock
@@ -32,8 +34,10 @@ from chatsvc.store.records import (
     encode_tokens,
     now,
 )
-from chatsvc.store.sessions import MAX_WATCH_RETRIES, SessionStore, check_turn_id
 from chatsvc.store.tree import ROOT, chain_children, link_chain
+from chatsvc.store.tree_read import Tree
+
+MAX_TURN_ID_CHARS = 128
 
 
 @dataclass
@@ -51,116 +55,97 @@ class Planned(NamedTuple):
     written: Written
 
 
-class TreeStore(SessionStore):
-    """Writes to existing sessions; see ``Store.connect`` to build one."""
+def plan_chain(
+    branch: Branch,
+    parent_id: str | None,
+    records: list[MessageRecord],
+    history: list[int] | None,
+    response: ResponseRecord | None = None,
+) -> Planned:
+    """The write that adds ``records`` as a chain below ``parent_id`` (the last
+    message of ``branch``, or None for the top level) and makes its end the active
+    branch. ``history``: the new branch's token history (None: unchanged)."""
+    chain = link_chain(records, parent_id)
+    for message in chain:
+        v.check_message(f"message {message.id}", message, message.role)
+        check_id("message", message.id)
+    summary = next_summary(
+        branch.session,
+        active_leaf=chain[-1].id if chain else branch.leaf_id,
+        num_messages=len(branch.messages) + len(chain),
+        num_nodes=branch.session.num_nodes + len(chain),
+        num_tokens=branch.session.num_tokens if history is None else len(history),
+    )
+    session = SessionRecord.from_summary(summary, branch.tokens() if history is None else history)
+    write = TreeWrite(
+        summary=encode(summary),
+        tokens=None if history is None else encode_tokens(history),
+        path_keep=branch.shared,
+        path_tail=[*branch.ids[branch.shared :], *(m.id for m in chain)],
+        node_sets={m.id: encode(m) for m in chain},
+        child_sets=chain_children(
+            chain, parent_key=parent_id or ROOT, existing=branch.continuations
+        ),
+    )
+    if response is not None:
+        write.response_sets[response.id] = encode(response)
+    return Planned(write, Written(session=session, messages=chain))
 
-    async def append_turn(
-        self,
-        tenant_id: str,
-        session_id: str,
-        user: MessageRecord,
-        assistant: MessageRecord,
-        *,
-        lock: RedisLock,
-        turn_id: str | None = None,
-        token_ids: list[int] | None = None,
-    ) -> SessionRecord:
-        """Append a user and an assistant message to the active branch in one atomic,
-        fenced, idempotent write.
 
-        ``lock`` is the session's turn lock as ``turn_lock`` yielded it: the
-        write happens only while its token still holds the lock key, checked in
-        the same atomic step, so a turn whose lock expired and was taken by
-        another turn can never interleave with it (``TurnLockLostError``,
-        nothing written). ``turn_id`` names the turn (default: a fresh id per
-        call); a turn already applied under that id is not applied again, which
-        makes a resend after a lost reply harmless.
+def plan_active(branch: Branch, new: Branch, write: TreeWrite | None = None) -> Planned:
+    """The write (``write``'s changes, if given) that makes ``new`` the active branch."""
+    tokens = new.tokens()
+    summary = next_summary(
+        branch.session,
+        active_leaf=new.leaf_id,
+        num_messages=len(new.messages),
+        num_tokens=len(tokens),
+        num_nodes=branch.session.num_nodes - len(write.node_dels if write else ()),
+    )
+    write = write or TreeWrite(summary=None)
+    write.summary = encode(summary)
+    write.tokens = encode_tokens(tokens)
+    write.path_keep = new.shared
+    write.path_tail = new.ids[new.shared :]
+    return Planned(write, Written(session=SessionRecord.from_summary(summary, tokens)))
 
-        The session's ``token_ids`` become ``token_ids`` when given (the full
-        conversation as the model last saw it, e.g. after a template re-render:
-        the user message then holds the history from the start), else the old
-        ones plus the user's and the assistant's token ids. ``updated_at``,
-        ``num_messages``, the index score and the TTL move with them. Returns the
-        updated session; raises ``NotFoundError`` if the session is not visible
-        (deleted, expired, another tenant's).
-        """
-        check_id("tenant", tenant_id)
-        check_id("session", session_id)
-        v.check_message("user", user, "user")
-        v.check_message("assistant", assistant, "assistant")
-        if token_ids is not None:
-            token_ids = v.check_token_ids("token_ids", token_ids)
 
-        def plan(branch: Branch) -> Planned:
-            base = branch.tokens()
-            extended = [*base, *user.token_ids, *assistant.token_ids]
-            history = extended if token_ids is None else token_ids
-            restart = token_ids is not None and token_ids != extended
-            first = msgspec.structs.replace(user, from_start=restart)
-            return self._plan_chain(branch, branch.leaf_id, [first, assistant], history)
+def plan_kept_path(branch: Branch, write: TreeWrite, **changes) -> Planned:
+    """``write`` (and summary ``changes``) with the active branch as it is: none of
+    its messages is touched."""
+    summary = next_summary(
+        branch.session, num_nodes=branch.session.num_nodes - len(write.node_dels), **changes
+    )
+    write.summary = encode(summary)
+    session = SessionRecord.from_summary(summary, branch.tokens())
+    return Planned(write, Written(session=session))
 
-        written = await self.write_tree(
-            tenant_id, session_id, plan, lock=lock, write_id=turn_id, leaf=None
-        )
-        if written is None:
-            # Applied by an earlier send; what it wrote is what is stored now.
-            written = await self._read_session(tenant_id, session_id)
-            if written is None:
-                raise NotFoundError(f"unknown session {session_id!r}")
-            return written
-        return written.session
 
-    def _plan_chain(
-        self,
-        branch: Branch,
-        parent_id: str | None,
-        records: list[MessageRecord],
-        history: list[int] | None,
-        response: ResponseRecord | None = None,
-    ) -> Planned:
-        """The write that adds ``records`` as a chain below ``parent_id`` (the last
-        message of ``branch``, or None for the top level) and makes its end the active
-        branch. ``history``: the new branch's token history (None: unchanged)."""
-        chain = link_chain(records, parent_id)
-        for message in chain:
-            v.check_message(f"message {message.id}", message, message.role)
-            check_id("message", message.id)
-        summary = self.next_summary(
-            branch.session,
-            active_leaf=chain[-1].id if chain else branch.leaf_id,
-            num_messages=len(branch.messages) + len(chain),
-            num_nodes=branch.session.num_nodes + len(chain),
-            num_tokens=branch.session.num_tokens if history is None else len(history),
-        )
-        session = SessionRecord.from_summary(
-            summary, branch.tokens() if history is None else history
-        )
-        write = TreeWrite(
-            summary=encode(summary),
-            tokens=None if history is None else encode_tokens(history),
-            path_keep=branch.shared,
-            path_tail=[*branch.ids[branch.shared :], *(m.id for m in chain)],
-            node_sets={m.id: encode(m) for m in chain},
-            child_sets=chain_children(
-                chain, parent_key=parent_id or ROOT, existing=branch.continuations
-            ),
-        )
-        if response is not None:
-            write.response_sets[response.id] = encode(response)
-        return Planned(write, Written(session=session, messages=chain))
+def next_summary(summary: SessionSummary, **changes) -> SessionSummary:
+    """``summary`` after one more write: ``changes``, a later ``updated_at``, version + 1."""
+    # max(): a replica with a clock behind must not move updated_at backwards.
+    return msgspec.structs.replace(
+        summary,
+        updated_at=max(now(), summary.updated_at),
+        version=summary.version + 1,
+        **changes,
+    )
 
-    @staticmethod
-    def next_summary(summary: SessionSummary, **changes) -> SessionSummary:
-        """``summary`` after one more write: ``changes``, a later ``updated_at``, version + 1."""
-        # max(): a replica with a clock behind must not move updated_at backwards.
-        return msgspec.structs.replace(
-            summary,
-            updated_at=max(now(), summary.updated_at),
-            version=summary.version + 1,
-            **changes,
-        )
 
-    async def write_tree(
+def check_turn_id(turn_id: object) -> str:
+    if not isinstance(turn_id, str) or not 0 < len(turn_id) <= MAX_TURN_ID_CHARS:
+        raise ValueError(f"turn_id must be a non-empty str of at most {MAX_TURN_ID_CHARS} chars")
+    return turn_id
+
+
+class TreeWriter:
+    """The read -> plan -> apply loop every write to an existing session runs."""
+
+    def __init__(self, context: StoreContext, tree: Tree) -> None:
+        self._ctx = context
+        self._tree = tree
+
+    async def write(
         self,
         tenant_id: str,
         session_id: str,
@@ -174,7 +159,7 @@ class TreeStore(SessionStore):
         into a ``TreeWrite``, and apply that under the fence and idempotency checks of
         commit.py; on a conflict (another writer got in between) read and plan again.
 
-        ``lock``: the session's turn lock as ``turn_lock`` yielded it. ``write_id``
+        ``lock``: the session's turn lock as ``Sessions.turn_lock`` yielded it. ``write_id``
         names the write (default: fresh). Returns what ``plan`` promised, or None when
         an earlier send of this very write had already been applied. Raises
         ``NotFoundError`` (session not visible, or no message ``leaf``),
@@ -182,19 +167,19 @@ class TreeStore(SessionStore):
         """
         check_id("tenant", tenant_id)
         check_id("session", session_id)
-        keys = self._session_keys(tenant_id, session_id)
+        keys = SessionKeys.of(self._ctx.keys, tenant_id, session_id)
         if not isinstance(lock, RedisLock) or lock.key != keys.lock:
             raise ValueError("a session write needs its turn lock, as turn_lock yields it")
         write_id = secrets.token_hex(16) if write_id is None else check_turn_id(write_id)
-        with self._unavailable():
+        with self._ctx.unavailable():
             for _ in range(MAX_WATCH_RETRIES):
-                branch = await self._read_branch(tenant_id, session_id, leaf)
+                branch = await self._tree.read_branch(tenant_id, session_id, leaf)
                 if branch is None:
                     raise NotFoundError(f"unknown session {session_id!r}")
                 planned = plan(branch)
                 if inspect.isawaitable(planned):
                     planned = await planned
-                outcome = await self._scripts.apply(
+                outcome = await self._ctx.scripts.apply(
                     keys,
                     planned.write,
                     session_id=session_id,
@@ -202,7 +187,7 @@ class TreeStore(SessionStore):
                     lock_token=lock.token,
                     read_fingerprint=fingerprint(branch.raw_summary),
                     score=planned.written.session.updated_at,
-                    ttl_ms=self._ttl_ms(),
+                    ttl_ms=self._ctx.ttl_ms(),
                 )
                 if outcome == "ok":
                     return planned.written

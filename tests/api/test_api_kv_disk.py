@@ -73,7 +73,7 @@ def files_of(server, owner: bytes) -> dict[bytes, object]:
 
 
 def acme_tenant(server):
-    return server.call(server.services.store.tenant_by_name("acme"))
+    return server.call(server.services.store.tenants.by_name("acme"))
 
 
 def tenant_salt(server) -> bytes:
@@ -95,7 +95,7 @@ def chain(tokens: list[int], salt: bytes) -> list[bytes]:
 def stored_tokens(server, session_id: str) -> list[int]:
     store = server.services.store
     tenant = acme_tenant(server)
-    return list(server.call(store.get_session(tenant.id, session_id)).token_ids)
+    return list(server.call(store.sessions.get(tenant.id, session_id)).token_ids)
 
 
 def samples(text: str) -> dict:

@@ -21,14 +21,16 @@ BIG_METADATA = {f"field-{i:02d}": "m" * 4000 for i in range(14)}
 
 async def _long_history(store, tenant_id: str, session_id: str) -> None:
     tokens = [(7 * i) % 49_152 for i in range(HISTORY_TOKENS)]
-    async with store.turn_lock(tenant_id, session_id) as lock:
-        await store.append_turn(
+    async with store.sessions.turn_lock(tenant_id, session_id) as lock:
+        session = await store.sessions.peek(tenant_id, session_id)
+        await store.branches.commit_turn(
             tenant_id,
             session_id,
-            MessageRecord(role="user", text="long question", token_ids=tokens[:10]),
-            MessageRecord(role="assistant", text="long answer", token_ids=tokens[10:20]),
+            parent_id=session.active_leaf,
+            inputs=[MessageRecord(role="user", text="long question", token_ids=[])],
+            output=MessageRecord(role="assistant", text="long answer", token_ids=tokens[-10:]),
+            prompt_token_ids=tokens[:-10],
             lock=lock,
-            token_ids=tokens,
         )
 
 

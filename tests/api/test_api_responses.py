@@ -150,21 +150,21 @@ def test_a_stream_whose_turn_fails_to_store_ends_with_error_and_failed(
     api, sdk, model, monkeypatch
 ):
     store = api.services.store
-    commit = store.commit_turn
+    commit = store.branches.commit_turn
 
     async def lock_taken_then_commit(tenant_id, session_id, *args, **kwargs):
         await store.redis.set(store.keys.session_lock(session_id), "another-replica")
         return await commit(tenant_id, session_id, *args, **kwargs)
 
     first = _ask(sdk, model, unique("Hello there."))
-    monkeypatch.setattr(store, "commit_turn", lock_taken_then_commit)
+    monkeypatch.setattr(store.branches, "commit_turn", lock_taken_then_commit)
     events = list(_ask(sdk, model, "Go on.", previous_response_id=first.id, stream=True))
     kinds = [e.type for e in events]
     assert kinds[-2:] == ["error", "response.failed"] and "response.completed" not in kinds
     assert events[-2].code == "turn_lock_lost"
     assert events[-1].response.status == "failed" and events[-1].response.error.message
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    monkeypatch.setattr(store, "commit_turn", commit)
+    monkeypatch.setattr(store.branches, "commit_turn", commit)
     store_key = store.keys.session_lock(_session_of(first))
     api.call(store.redis.delete(store_key))
     with pytest.raises(openai.NotFoundError):

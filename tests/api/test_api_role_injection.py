@@ -31,8 +31,8 @@ def _controls(api, ids) -> list[int]:
 def _stored(api, session_id: str):
     store = api.services.store
     tenant_id = api.services.tenants.tenant_for_key(ACME_KEY).id
-    session = api.call(store.get_session(tenant_id, session_id))
-    messages = api.call(store.get_messages(tenant_id, session_id))
+    session = api.call(store.sessions.get(tenant_id, session_id))
+    messages = api.call(store.tree.messages(tenant_id, session_id))
     return session, messages
 
 
@@ -76,7 +76,7 @@ def test_a_system_prompt_is_stored_as_text(api, acme):
         assert response.status_code == 201, response.text
         store = api.services.store
         tenant_id = api.services.tenants.tenant_for_key(ACME_KEY).id
-        return api.call(store.get_system_prompt(tenant_id, response.json()["id"])).token_ids
+        return api.call(store.prompts.get(tenant_id, response.json()["id"])).token_ids
 
     assert _controls(api, registered_ids(unique(INJECTION))) == _controls(
         api, registered_ids(unique(HARMLESS))

@@ -67,7 +67,7 @@ def test_turns_after_a_stop_string_still_reuse_the_history(api, acme, recorded):
 
     store = api.services.store
     tenant_id = api.services.tenants.tenant_for_key(ACME_KEY).id
-    answer = api.call(store.get_messages(tenant_id, session["id"]))[2]
+    answer = api.call(store.tree.messages(tenant_id, session["id"]))[2]
     # Stored: the text up to the stop, and tokens that spell exactly that text,
     # starting with every generated token that lies wholly before the cut.
     assert answer.role == "assistant" and answer.text == first["message"]["content"]

@@ -21,13 +21,13 @@ TAKEN_BY = "another-replicas-turn"
 def lock_taken_before_commit(api, monkeypatch):
     """Make every turn lose its lock to TAKEN_BY just before it commits."""
     store = api.services.store
-    commit = store.commit_turn
+    commit = store.branches.commit_turn
 
     async def taken_then_commit(tenant_id, session_id, *args, **kwargs):
         await store.redis.set(store.keys.session_lock(session_id), TAKEN_BY)
         return await commit(tenant_id, session_id, *args, **kwargs)
 
-    monkeypatch.setattr(store, "commit_turn", taken_then_commit)
+    monkeypatch.setattr(store.branches, "commit_turn", taken_then_commit)
     return store
 
 

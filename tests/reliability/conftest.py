@@ -124,13 +124,13 @@ def session_problems(server: ThreadServer, api_key: str) -> list[str]:
         problems: list[str] = []
         cursor = None
         while True:
-            summaries, cursor = await store.list_sessions(tenant, limit=500, cursor=cursor)
+            summaries, cursor = await store.sessions.list_page(tenant, limit=500, cursor=cursor)
             for summary in summaries:
                 # Listing hands out summaries; the token history comes with the session.
-                session = await store.get_session(tenant, summary.id)
+                session = await store.sessions.get(tenant, summary.id)
                 if session is None:
                     continue  # deleted since the listing
-                messages = await store.get_messages(tenant, session.id) or []
+                messages = await store.tree.messages(tenant, session.id) or []
                 roles = [m.role for m in messages]
                 if roles[:1] == ["system"]:
                     roles = roles[1:]

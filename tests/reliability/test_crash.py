@@ -37,17 +37,20 @@ async def test_the_checker_flags_lost_extra_and_torn_turns(redis_server):
     """The crash loop's verdicts are only worth something if the checker can fail."""
     store = await Store.connect(redis_server.url, prefix=unique_prefix("crashcheck"))
     try:
-        tenant = await store.ensure_tenant("checker")
+        tenant = await store.tenants.ensure("checker")
         system = [1, 2, 3]
-        session = await store.create_session(tenant.id, None, "Be brief.", system, {})
+        session = await store.sessions.create(tenant.id, None, "Be brief.", system, {})
 
         async def add(user_text: str, answer: str, user_ids: list[int], answer_ids: list[int]):
-            async with store.turn_lock(tenant.id, session.id) as lock:
-                await store.append_turn(
+            async with store.sessions.turn_lock(tenant.id, session.id) as lock:
+                before = await store.sessions.peek(tenant.id, session.id)
+                await store.branches.commit_turn(
                     tenant.id,
                     session.id,
-                    MessageRecord(role="user", text=user_text, token_ids=user_ids),
-                    MessageRecord(role="assistant", text=answer, token_ids=answer_ids),
+                    parent_id=before.active_leaf,
+                    inputs=[MessageRecord(role="user", text=user_text, token_ids=user_ids)],
+                    output=MessageRecord(role="assistant", text=answer, token_ids=answer_ids),
+                    prompt_token_ids=[*before.token_ids, *user_ids],
                     lock=lock,
                 )
 

@@ -255,7 +255,7 @@ def test_hostile_requests_leave_another_tenants_conversation_unchanged(witness_s
     async def stored(sid: str):
         store = witness_server.services.store
         tenant = witness_server.services.tenants.tenant_for_key(ACME_KEY).id
-        return await store.get_messages(tenant, sid)
+        return await store.tree.messages(tenant, sid)
 
     expected = [WITNESS_SYSTEM]
     for text, answer in zip(WITNESS_TURNS, reference, strict=True):

@@ -141,7 +141,7 @@ def test_no_raw_key_is_stored(server, raw_redis, acme_private):
 
 
 def test_key_lookup_compares_in_constant_time(server, monkeypatch):
-    from chatsvc.store.store import hash_api_key
+    from chatsvc.store import hash_api_key
 
     calls: list[tuple] = []
     real = hmac.compare_digest

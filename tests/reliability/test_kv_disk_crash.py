@@ -120,9 +120,9 @@ def _stream_until_first_delta(server, sid: str, text: str, first: threading.Even
 async def _conversation(url: str, prefix: str, sid: str):
     store = await Store.connect(url, prefix=prefix)
     try:
-        tenant = await store.tenant_by_name("acme")
-        session = await store.get_session(tenant.id, sid)
-        messages = await store.get_messages(tenant.id, sid)
+        tenant = await store.tenants.by_name("acme")
+        session = await store.sessions.get(tenant.id, sid)
+        messages = await store.tree.messages(tenant.id, sid)
         return list(session.token_ids), messages
     finally:
         await store.close()

@@ -97,15 +97,25 @@ def _run(coro):
 
 async def _store_with_session(url: str, prefix: str):
     store = await Store.connect(url, prefix=prefix)
-    tenant = await store.ensure_tenant(f"t-{uuid.uuid4().hex[:8]}")
-    session = await store.create_session(tenant.id, None, "Be brief.", [1, 2, 3], {})
+    tenant = await store.tenants.ensure(f"t-{uuid.uuid4().hex[:8]}")
+    session = await store.sessions.create(tenant.id, None, "Be brief.", [1, 2, 3], {})
     return store, tenant, session
 
 
 async def _append(store: Store, tenant, session, text: str) -> None:
     # A turn as the service commits it: under the session's turn lock.
-    async with store.turn_lock(tenant.id, session.id) as lock:
-        await store.append_turn(tenant.id, session.id, *_turn(text), lock=lock)
+    user, assistant = _turn(text)
+    async with store.sessions.turn_lock(tenant.id, session.id) as lock:
+        before = await store.sessions.peek(tenant.id, session.id)
+        await store.branches.commit_turn(
+            tenant.id,
+            session.id,
+            parent_id=before.active_leaf,
+            inputs=[user],
+            output=assistant,
+            prompt_token_ids=[*before.token_ids, *user.token_ids],
+            lock=lock,
+        )
 
 
 def _turn(text: str) -> tuple[MessageRecord, MessageRecord]:
@@ -149,15 +159,15 @@ def test_a_write_no_replica_confirms_is_not_acknowledged(topology):
             # It is a StoreUnavailableError: the API answers 503, the client retries.
             assert issubclass(UnconfirmedWriteError, StoreUnavailableError)
             # Reads (a MULTI of GET and LRANGE included) have nothing to wait for.
-            assert [m.text for m in await store.get_messages(tenant.id, session.id)][-1] == "ok"
-            assert await store.get_session(tenant.id, session.id) is not None
+            assert [m.text for m in await store.tree.messages(tenant.id, session.id)][-1] == "ok"
+            assert await store.sessions.get(tenant.id, session.id) is not None
             # wait_replicas=0 trades that guarantee for writes that go on regardless.
             await _append(unwaiting, tenant, session, "unwaited")
         finally:
             replica.resume()
         topology.wait_healthy(topology.primary_port())
         await _append(store, tenant, session, "confirmed")
-        texts = [m.text for m in await store.get_messages(tenant.id, session.id)]
+        texts = [m.text for m in await store.tree.messages(tenant.id, session.id)]
         await store.close()
         await unwaiting.close()
         return texts
@@ -267,7 +277,7 @@ def test_the_service_rides_a_primary_failover_without_losing_an_acknowledged_tur
         async def check():
             store = await Store.connect(topo.sentinel_url(), prefix=settings.key_prefix)
             try:
-                tenant = await store.tenant_by_name("acme")
+                tenant = await store.tenants.by_name("acme")
                 return [await verify(store, tenant.id, log) for log in logs]
             finally:
                 await store.close()

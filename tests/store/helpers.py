@@ -5,14 +5,15 @@ from __future__ import annotations
 import itertools
 
 from chatsvc.store import Store
-from chatsvc.store.records import MessageRecord, TenantRecord, Usage
+from chatsvc.store.lock import RedisLock
+from chatsvc.store.records import MessageRecord, SessionRecord, TenantRecord, Usage
 
 _names = itertools.count()
 
 
 async def new_tenant(store: Store, name: str = "t") -> TenantRecord:
     """A tenant of its own: names are identities, so each call gets a fresh one."""
-    return await store.ensure_tenant(f"{name}-{next(_names)}")
+    return await store.tenants.ensure(f"{name}-{next(_names)}")
 
 
 def turn(n: int) -> tuple[MessageRecord, MessageRecord]:
@@ -27,7 +28,42 @@ def turn(n: int) -> tuple[MessageRecord, MessageRecord]:
     return user, assistant
 
 
-async def append(store: Store, tenant_id: str, session_id: str, user, assistant, **kwargs):
+async def commit_after(
+    store: Store,
+    tenant_id: str,
+    session_id: str,
+    user: MessageRecord,
+    assistant: MessageRecord,
+    *,
+    lock: RedisLock,
+    turn_id: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+) -> SessionRecord:
+    """``user`` and ``assistant`` after the active branch, as the API commits a turn:
+    the prompt is the session's history plus the user's ids unless given (a template
+    that rendered the conversation again). The session afterwards, also when an
+    earlier send under ``turn_id`` had already been applied."""
+    session = await store.sessions.peek(tenant_id, session_id)
+    parent = None if session is None else session.active_leaf
+    history = [] if session is None else session.token_ids
+    written = await store.branches.commit_turn(
+        tenant_id,
+        session_id,
+        parent_id=parent,
+        inputs=[user],
+        output=assistant,
+        prompt_token_ids=[*history, *user.token_ids]
+        if prompt_token_ids is None
+        else prompt_token_ids,
+        lock=lock,
+        turn_id=turn_id,
+    )
+    if written is None:
+        return await store.sessions.peek(tenant_id, session_id)
+    return written.session
+
+
+async def append(store: Store, tenant_id: str, session_id: str, user, assistant, **kw):
     """One turn committed as the API commits it: under the session's turn lock."""
-    async with store.turn_lock(tenant_id, session_id) as lock:
-        return await store.append_turn(tenant_id, session_id, user, assistant, lock=lock, **kwargs)
+    async with store.sessions.turn_lock(tenant_id, session_id) as lock:
+        return await commit_after(store, tenant_id, session_id, user, assistant, lock=lock, **kw)

@@ -28,8 +28,8 @@ def _answer(text: str, ids: list[int]) -> MessageRecord:
 
 
 async def _turn(store, tenant, sid, parent, inputs, answer, prompt, **kwargs):
-    async with store.turn_lock(tenant.id, sid) as lock:
-        return await store.commit_turn(
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        return await store.branches.commit_turn(
             tenant.id,
             sid,
             parent_id=parent,
@@ -42,14 +42,14 @@ async def _turn(store, tenant, sid, parent, inputs, answer, prompt, **kwargs):
 
 
 async def _texts(store, tenant, sid, leaf=None) -> list[str]:
-    return [m.text for m in (await store.get_branch(tenant.id, sid, leaf)).messages]
+    return [m.text for m in (await store.tree.branch(tenant.id, sid, leaf)).messages]
 
 
 @pytest.fixture
 async def chat(store: Store):
     """sys -> u1 -> a1 -> u2 -> a2, with token histories [1] [1 2] [1 2 3] [1 2 3 4] [.. 5]."""
     tenant = await new_tenant(store)
-    session = await store.create_session(tenant.id, None, "sys", [1], {})
+    session = await store.sessions.create(tenant.id, None, "sys", [1], {})
     sys_id = session.active_leaf
     t1 = await _turn(store, tenant, session.id, sys_id, [_user("u1")], _answer("a1", [3]), [1, 2])
     u1, a1 = t1.messages
@@ -67,7 +67,7 @@ async def chat(store: Store):
 
 async def test_turns_store_each_message_with_only_its_new_tokens(chat, raw):
     store, tenant, sid, ids = chat
-    messages = await store.get_messages(tenant.id, sid)
+    messages = await store.tree.messages(tenant.id, sid)
     assert [(m.text, m.token_ids) for m in messages] == [
         ("sys", [1]),
         ("u1", [2]),
@@ -76,7 +76,7 @@ async def test_turns_store_each_message_with_only_its_new_tokens(chat, raw):
         ("a2", [5]),
     ]
     assert [m.parent_id for m in messages] == [None, ids["sys"], ids["u1"], ids["a1"], ids["u2"]]
-    session = await store.get_session(tenant.id, sid)
+    session = await store.sessions.get(tenant.id, sid)
     assert session.token_ids == [1, 2, 3, 4, 5]
     assert session.active_leaf == ids["a2"] and session.num_messages == session.num_nodes == 5
     assert await raw.hlen(store.keys.session_nodes(sid)) == 5
@@ -87,11 +87,11 @@ async def test_a_regenerated_answer_is_a_sibling_and_continues_the_user_tokens(c
     again = await _turn(store, tenant, sid, ids["u2"], [], _answer("a2'", [6]), [1, 2, 3, 4])
     (regenerated,) = again.messages
     assert regenerated.token_ids == [6] and not regenerated.from_start
-    branch = await store.get_branch(tenant.id, sid)
+    branch = await store.tree.branch(tenant.id, sid)
     assert [m.text for m in branch.messages] == ["sys", "u1", "a1", "u2", "a2'"]
     assert branch.siblings[4] == [ids["a2"], regenerated.id]
     assert branch.siblings[3] == [ids["u2"]]
-    assert (await store.get_session(tenant.id, sid)).token_ids == [1, 2, 3, 4, 6]
+    assert (await store.sessions.get(tenant.id, sid)).token_ids == [1, 2, 3, 4, 6]
     # The shared history is stored once; the old answer is kept as a version.
     assert await raw.hlen(store.keys.session_nodes(sid)) == 6
     assert await _texts(store, tenant, sid, ids["a2"]) == ["sys", "u1", "a1", "u2", "a2"]
@@ -103,23 +103,23 @@ async def test_an_edit_branches_and_switching_restores_every_branch(chat):
         store, tenant, sid, ids["a1"], [_user("u2 edited")], _answer("b2", [8]), [1, 2, 3, 7]
     )
     assert await _texts(store, tenant, sid) == ["sys", "u1", "a1", "u2 edited", "b2"]
-    assert (await store.get_session(tenant.id, sid)).token_ids == [1, 2, 3, 7, 8]
-    branch = await store.get_branch(tenant.id, sid)
+    assert (await store.sessions.get(tenant.id, sid)).token_ids == [1, 2, 3, 7, 8]
+    branch = await store.tree.branch(tenant.id, sid)
     assert branch.siblings[3] == [ids["u2"], edit.messages[0].id]
 
-    async with store.turn_lock(tenant.id, sid) as lock:
-        switched = await store.switch_branch(tenant.id, sid, ids["u2"], lock=lock)
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        switched = await store.branches.switch(tenant.id, sid, ids["u2"], lock=lock)
     assert switched.session.active_leaf == ids["a2"]
     assert await _texts(store, tenant, sid) == ["sys", "u1", "a1", "u2", "a2"]
-    assert (await store.get_session(tenant.id, sid)).token_ids == [1, 2, 3, 4, 5]
+    assert (await store.sessions.get(tenant.id, sid)).token_ids == [1, 2, 3, 4, 5]
 
     # Switching to a message with several continuations follows the newest one.
-    async with store.turn_lock(tenant.id, sid) as lock:
-        await store.switch_branch(tenant.id, sid, ids["a1"], lock=lock)
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        await store.branches.switch(tenant.id, sid, ids["a1"], lock=lock)
     assert await _texts(store, tenant, sid) == ["sys", "u1", "a1", "u2 edited", "b2"]
-    async with store.turn_lock(tenant.id, sid) as lock:
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
         with pytest.raises(NotFoundError):
-            await store.switch_branch(tenant.id, sid, new_message_id(), lock=lock)
+            await store.branches.switch(tenant.id, sid, new_message_id(), lock=lock)
 
 
 async def test_a_prompt_that_does_not_extend_the_history_starts_over(chat):
@@ -129,9 +129,9 @@ async def test_a_prompt_that_does_not_extend_the_history_starts_over(chat):
     )
     user, _ = redone.messages
     assert user.from_start and user.token_ids == [1, 20, 3, 4, 5, 6]
-    branch = await store.get_branch(tenant.id, sid, redone.messages[-1].id)
+    branch = await store.tree.branch(tenant.id, sid, redone.messages[-1].id)
     assert branch.tokens() == [1, 20, 3, 4, 5, 6, 9]
-    assert (await store.get_session(tenant.id, sid)).token_ids == [1, 20, 3, 4, 5, 6, 9]
+    assert (await store.sessions.get(tenant.id, sid)).token_ids == [1, 20, 3, 4, 5, 6, 9]
 
 
 async def test_deleting_a_branch_removes_only_what_no_other_branch_uses(chat, raw):
@@ -139,65 +139,65 @@ async def test_deleting_a_branch_removes_only_what_no_other_branch_uses(chat, ra
     edit = await _turn(
         store, tenant, sid, ids["a1"], [_user("u2'")], _answer("b2", [8]), [1, 2, 3, 7]
     )
-    async with store.turn_lock(tenant.id, sid) as lock:
-        await store.delete_branch(tenant.id, sid, edit.messages[0].id, lock=lock)
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        await store.branches.delete(tenant.id, sid, edit.messages[0].id, lock=lock)
     # The edit's two messages went; the shared head and the other branch stay, and
     # the active branch moved to what is left below a1.
     assert await raw.hlen(store.keys.session_nodes(sid)) == 5
     assert await _texts(store, tenant, sid) == ["sys", "u1", "a1", "u2", "a2"]
-    session = await store.get_session(tenant.id, sid)
+    session = await store.sessions.get(tenant.id, sid)
     assert session.token_ids == [1, 2, 3, 4, 5] and session.num_nodes == 5
     with pytest.raises(NotFoundError):
-        await store.get_branch(tenant.id, sid, edit.messages[1].id)
+        await store.tree.branch(tenant.id, sid, edit.messages[1].id)
 
-    async with store.turn_lock(tenant.id, sid) as lock:
-        await store.delete_branch(tenant.id, sid, ids["u1"], lock=lock)
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        await store.branches.delete(tenant.id, sid, ids["u1"], lock=lock)
     assert await _texts(store, tenant, sid) == ["sys"]
-    assert (await store.get_session(tenant.id, sid)).token_ids == [1]
+    assert (await store.sessions.get(tenant.id, sid)).token_ids == [1]
     assert await raw.hkeys(store.keys.session_children(sid)) == [b"root"]
 
 
 async def test_deleting_one_item_keeps_what_follows_and_drops_its_tokens(chat):
     store, tenant, sid, ids = chat
-    async with store.turn_lock(tenant.id, sid) as lock:
-        await store.delete_message(tenant.id, sid, ids["a1"], lock=lock)
-    branch = await store.get_branch(tenant.id, sid)
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        await store.branches.delete_message(tenant.id, sid, ids["a1"], lock=lock)
+    branch = await store.tree.branch(tenant.id, sid)
     assert [m.text for m in branch.messages] == ["sys", "u1", "u2", "a2"]
     assert [m.parent_id for m in branch.messages][2] == ids["u1"]
     # What came after the removed text was rendered after it: those ids are gone,
     # and the history is what is still valid (the next turn renders the rest).
     assert [m.token_ids for m in branch.messages] == [[1], [2], [], []]
-    assert (await store.get_session(tenant.id, sid)).token_ids == [1, 2]
+    assert (await store.sessions.get(tenant.id, sid)).token_ids == [1, 2]
 
 
 async def test_items_hold_no_tokens_until_a_turn_renders_them(store: Store):
     tenant = await new_tenant(store)
-    session = await store.create_session(
+    session = await store.sessions.create(
         tenant.id, None, None, None, {}, messages=[_user("hi")], kind="conversation"
     )
-    async with store.turn_lock(tenant.id, session.id) as lock:
-        await store.add_messages(
+    async with store.sessions.turn_lock(tenant.id, session.id) as lock:
+        await store.branches.add_messages(
             tenant.id,
             session.id,
             [MessageRecord(role="assistant", text="yo", token_ids=[99])],
             lock=lock,
         )
-    branch = await store.get_branch(tenant.id, session.id)
+    branch = await store.tree.branch(tenant.id, session.id)
     assert [(m.role, m.token_ids) for m in branch.messages] == [("user", []), ("assistant", [])]
     done = await _turn(
         store, tenant, session.id, branch.leaf_id, [_user("next")], _answer("a", [4]), [1, 2, 3]
     )
     assert done.messages[0].token_ids == [1, 2, 3]
-    assert (await store.get_session(tenant.id, session.id)).token_ids == [1, 2, 3, 4]
+    assert (await store.sessions.get(tenant.id, session.id)).token_ids == [1, 2, 3, 4]
 
 
 async def test_a_turn_is_fenced_idempotent_and_bounded(chat, raw):
     store, tenant, sid, ids = chat
     before = await raw.hgetall(store.keys.session_nodes(sid))
-    async with store.turn_lock(tenant.id, sid) as lock:
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
         await raw.delete(store.keys.session_lock(sid))
         with pytest.raises(TurnLockLostError):
-            await store.commit_turn(
+            await store.branches.commit_turn(
                 tenant.id,
                 sid,
                 parent_id=ids["a2"],
@@ -246,7 +246,7 @@ async def test_responses_live_in_their_session_and_go_with_what_only_they_use(st
         input_ids=[u1.id],
         output_id=a1.id,
     )
-    await store.create_session(
+    await store.sessions.create(
         tenant.id,
         None,
         None,
@@ -257,9 +257,9 @@ async def test_responses_live_in_their_session_and_go_with_what_only_they_use(st
         response=first,
         session_id=sid,
     )
-    assert (await store.get_response(tenant.id, first.id)) == first
-    assert await store.get_response(other.id, first.id) is None
-    assert await store.get_response(tenant.id, new_response_id(sid)) is None
+    assert (await store.responses.get(tenant.id, first.id)) == first
+    assert await store.responses.get(other.id, first.id) is None
+    assert await store.responses.get(tenant.id, new_response_id(sid)) is None
 
     u2, a2 = _user("q2"), _answer("r2", [4])
     u2.id, a2.id = new_message_id(), new_message_id()
@@ -277,9 +277,9 @@ async def test_responses_live_in_their_session_and_go_with_what_only_they_use(st
     await _turn(store, tenant, sid, a1.id, [u2], a2, [1, 2, 3], response=second)
 
     # The first response's messages carry the second: only its record goes.
-    async with store.turn_lock(tenant.id, sid) as lock:
-        await store.delete_response(tenant.id, first.id, lock=lock)
-    assert await store.get_response(tenant.id, first.id) is None
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        await store.responses.delete(tenant.id, first.id, lock=lock)
+    assert await store.responses.get(tenant.id, first.id) is None
     assert await raw.hlen(store.keys.session_nodes(sid)) == 4
 
     # A branch from the first response's input (a regenerated answer): deleting the
@@ -287,8 +287,8 @@ async def test_responses_live_in_their_session_and_go_with_what_only_they_use(st
     # only it still carried; the first's input stays, the new answer uses it.
     other_answer = _answer("r1'", [5])
     await _turn(store, tenant, sid, u1.id, [], other_answer, [1])
-    async with store.turn_lock(tenant.id, sid) as lock:
-        await store.delete_response(tenant.id, second.id, lock=lock)
+    async with store.sessions.turn_lock(tenant.id, sid) as lock:
+        await store.responses.delete(tenant.id, second.id, lock=lock)
     assert await raw.hlen(store.keys.session_nodes(sid)) == 2
     assert await _texts(store, tenant, sid) == ["q1", "r1'"]
 
@@ -307,7 +307,7 @@ async def test_responses_live_in_their_session_and_go_with_what_only_they_use(st
         input_ids=[u.id],
         output_id=a.id,
     )
-    await store.create_session(
+    await store.sessions.create(
         lone.id,
         None,
         None,
@@ -318,8 +318,8 @@ async def test_responses_live_in_their_session_and_go_with_what_only_they_use(st
         response=only,
         session_id=lone_sid,
     )
-    async with store.turn_lock(lone.id, lone_sid) as lock:
-        await store.delete_response(lone.id, only.id, lock=lock)
+    async with store.sessions.turn_lock(lone.id, lone_sid) as lock:
+        await store.responses.delete(lone.id, only.id, lock=lock)
     assert [k async for k in raw.scan_iter(match=f"{store.keys.prefix}:*{lone_sid}*")] == []
     assert lone_sid.encode() not in await raw.zrange(store.keys.tenant_sessions(lone.id), 0, -1)
 
@@ -329,9 +329,9 @@ async def test_branch_histories_lists_every_branch_the_active_one_first(chat, ra
     await _turn(store, tenant, sid, ids["u2"], [], _answer("a2'", [6]), [1, 2, 3, 4])
     await _turn(store, tenant, sid, ids["a1"], [_user("u2''")], _answer("a3", [8]), [1, 2, 3, 7])
     ttl = await raw.pttl(store.keys.session(sid))
-    histories = await store.branch_histories(tenant.id, sid)
+    histories = await store.tree.histories(tenant.id, sid)
     assert histories[0] == [1, 2, 3, 7, 8]  # the active branch: the edit
     assert sorted(histories[1:]) == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]
     assert await raw.pttl(store.keys.session(sid)) <= ttl  # a read for deleting: no refresh
     other = await new_tenant(store)
-    assert await store.branch_histories(other.id, sid) is None  # another tenant's session
+    assert await store.tree.histories(other.id, sid) is None  # another tenant's session

@@ -25,21 +25,21 @@ async def test_store_unavailable_when_server_down_then_recovers(tmp_path):
     try:
         store = await Store.connect(server.url, prefix="p", socket_timeout_s=0.5)
         tenant = await new_tenant(store)
-        session = await store.create_session(tenant.id, None, "sys", [1], {})
+        session = await store.sessions.create(tenant.id, None, "sys", [1], {})
 
         server.stop()
         with pytest.raises(StoreUnavailableError, match="unavailable"):
-            await store.get_session(tenant.id, session.id)
+            await store.sessions.get(tenant.id, session.id)
         with pytest.raises(StoreUnavailableError):
             await append(store, tenant.id, session.id, *turn(1))
         with pytest.raises(StoreUnavailableError):
-            async with store.turn_lock(tenant.id, session.id):
+            async with store.sessions.turn_lock(tenant.id, session.id):
                 pass
 
         server.start()  # same port, same data dir
-        assert (await store.get_session(tenant.id, session.id)).num_messages == 1
+        assert (await store.sessions.get(tenant.id, session.id)).num_messages == 1
         await append(store, tenant.id, session.id, *turn(1))
-        assert len(await store.get_messages(tenant.id, session.id)) == 3
+        assert len(await store.tree.messages(tenant.id, session.id)) == 3
         await store.close()
     finally:
         server.stop()
@@ -53,10 +53,10 @@ async def test_frozen_server_times_out_instead_of_hanging(tmp_path):
         os.kill(server.pid, signal.SIGSTOP)
         try:
             with pytest.raises(StoreUnavailableError, match="Timeout"):
-                await store.tenant_by_name(tenant.name)
+                await store.tenants.by_name(tenant.name)
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        assert await store.tenant_by_name(tenant.name) == tenant
+        assert await store.tenants.by_name(tenant.name) == tenant
         await store.close()
 
 
@@ -66,11 +66,11 @@ async def test_acknowledged_turns_survive_a_server_restart(tmp_path, restart):
     try:
         store = await Store.connect(server.url, prefix="p", session_ttl_s=3600)
         tenant = await new_tenant(store)
-        sessions = [await store.create_session(tenant.id, None, "sys", [1], {}) for _ in range(3)]
+        sessions = [await store.sessions.create(tenant.id, None, "sys", [1], {}) for _ in range(3)]
         for n in range(10):
             for session in sessions:
                 await append(store, tenant.id, session.id, *turn(n))
-        before = {s.id: await store.get_messages(tenant.id, s.id) for s in sessions}
+        before = {s.id: await store.tree.messages(tenant.id, s.id) for s in sessions}
         await store.close()
 
         if restart == "clean":
@@ -80,11 +80,11 @@ async def test_acknowledged_turns_survive_a_server_restart(tmp_path, restart):
         server.start()
 
         store = await Store.connect(server.url, prefix="p", session_ttl_s=3600)
-        assert await store.tenant_by_name(tenant.name) == tenant
+        assert await store.tenants.by_name(tenant.name) == tenant
         for session in sessions:
-            assert await store.get_messages(tenant.id, session.id) == before[session.id]
-            assert (await store.get_session(tenant.id, session.id)).num_messages == 21
-        listed, _ = await store.list_sessions(tenant.id)
+            assert await store.tree.messages(tenant.id, session.id) == before[session.id]
+            assert (await store.sessions.get(tenant.id, session.id)).num_messages == 21
+        listed, _ = await store.sessions.list_page(tenant.id)
         assert {s.id for s in listed} == {s.id for s in sessions}
         await store.close()
     finally:
@@ -115,7 +115,7 @@ async def test_unix_socket_server(tmp_path):
         assert server.url.startswith("unix://")
         store = await Store.connect(server.url, prefix="p")
         tenant = await new_tenant(store)
-        assert await store.tenant_by_name(tenant.name) == tenant
+        assert await store.tenants.by_name(tenant.name) == tenant
         await store.close()
 
 
@@ -197,7 +197,7 @@ async def test_the_server_has_no_tcp_listener_and_keeps_its_files_private(tmp_pa
         assert client.config_get("port") == {"port": "0"}
         store = await Store.connect(server.url, prefix="p")
         tenant = await new_tenant(store)
-        session = await store.create_session(tenant.id, None, "private words", [1], {})
+        session = await store.sessions.create(tenant.id, None, "private words", [1], {})
         await append(store, tenant.id, session.id, *turn(1))
         await store.close()
         client.close()
@@ -235,7 +235,7 @@ async def test_a_data_dir_too_long_for_a_socket_path_gets_a_private_socket_dir(t
         server.start()  # same data dir, same socket: clients reconnect
         assert server.url == f"unix://{sock}"
         store = await Store.connect(server.url, prefix="p")
-        assert await store.tenant_by_name(tenant.name) == tenant
+        assert await store.tenants.by_name(tenant.name) == tenant
         await store.close()
 
 
@@ -280,7 +280,7 @@ async def test_a_frozen_server_costs_each_command_three_tries_at_most(tmp_path, 
                 replies_waited.clear()
                 with pytest.raises(StoreUnavailableError):
                     # The deadline only keeps a regression from hanging the suite.
-                    await asyncio.wait_for(store.tenant_by_name(tenant.name), 120)
+                    await asyncio.wait_for(store.tenants.by_name(tenant.name), 120)
                 assert len(replies_waited) <= 3
         finally:
             os.kill(server.pid, signal.SIGCONT)

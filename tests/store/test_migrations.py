@@ -21,6 +21,7 @@ from chatsvc.store.records import (
 )
 from chatsvc.store.schema import Migration, migrate
 from migrations import m0002_session_index_zset, m0004_session_tokens_key, m0005_message_tree
+from tests.store.helpers import commit_after
 
 pytestmark = pytest.mark.anyio
 
@@ -87,13 +88,13 @@ async def test_layout_1_data_is_upgraded_and_readable_through_the_store(redis_se
     try:
         assert await raw.type(keys.tenant_sessions(tenant.id)) == b"zset"
         assert await raw.get(keys.schema_version()) == str(SCHEMA_VERSION).encode()
-        listed, cursor = await store.list_sessions(tenant.id)
+        listed, cursor = await store.sessions.list_page(tenant.id)
         assert [s.id for s in listed] == ["s0", "s2", "s1"] and cursor is None
         assert await raw.zscore(keys.tenant_sessions(tenant.id), "gone") is None
-        stored = await store.get_session(tenant.id, "s1")
+        stored = await store.sessions.get(tenant.id, "s1")
         assert _before_layout_5(stored) == sessions[1]
         assert stored.num_nodes == 1 and stored.active_leaf.startswith("msg_")
-        messages = await store.get_messages(tenant.id, "s2")
+        messages = await store.tree.messages(tenant.id, "s2")
         assert [m.text for m in messages] == ["sys 2"]
     finally:
         await store.close()
@@ -177,18 +178,18 @@ async def test_layout_2_token_histories_move_to_their_own_key(redis_server, pref
             tokens = await raw.get(keys.session_tokens(session.id))
             assert tokens == encode_tokens(session.token_ids)
             assert b"token_ids" not in await raw.get(keys.session(session.id))
-            assert _before_layout_5(await store.get_session(tenant.id, session.id)) == session
+            assert _before_layout_5(await store.sessions.get(tenant.id, session.id)) == session
         assert 0 < await raw.pttl(keys.session_tokens(sessions[1].id)) <= 600_000
         assert 0 < await raw.pttl(keys.session(sessions[1].id)) <= 600_000
         assert await raw.pttl(keys.session_tokens(sessions[0].id)) == -1
         assert await raw.get(keys.session_lock(sessions[2].id)) == b"a-turn-in-flight"
-        listed, _ = await store.list_sessions(tenant.id)
+        listed, _ = await store.sessions.list_page(tenant.id)
         assert [s.num_tokens for s in listed] == [200, 100, 0]
-        async with store.turn_lock(tenant.id, sessions[0].id) as lock:
+        async with store.sessions.turn_lock(tenant.id, sessions[0].id) as lock:
             user = MessageRecord(role="user", text="u", token_ids=[7])
             assistant = MessageRecord(role="assistant", text="a", token_ids=[8])
-            await store.append_turn(tenant.id, sessions[0].id, user, assistant, lock=lock)
-        assert (await store.get_session(tenant.id, sessions[0].id)).token_ids == [7, 8]
+            await commit_after(store, tenant.id, sessions[0].id, user, assistant, lock=lock)
+        assert (await store.sessions.get(tenant.id, sessions[0].id)).token_ids == [7, 8]
     finally:
         await store.close()
 
@@ -251,28 +252,28 @@ async def test_layout_4_message_lists_become_trees(redis_server, prefix, raw):
         for n, old in enumerate(conversations):
             sid = f"v4s{n}"
             assert await raw.exists(keys.session_messages(sid)) == 0
-            messages = await store.get_messages(tenant.id, sid)
+            messages = await store.tree.messages(tenant.id, sid)
             assert [(m.role, m.text, m.token_ids) for m in messages] == [
                 (m.role, m.text, m.token_ids) for m in old
             ]
             assert all(m.id.startswith("msg_") for m in messages)
             parents = [None, *(m.id for m in messages)][: len(messages)]
             assert [m.parent_id for m in messages] == parents
-            session = await store.get_session(tenant.id, sid)
+            session = await store.sessions.get(tenant.id, sid)
             assert session.active_leaf == (messages[-1].id if messages else None)
             assert session.num_nodes == session.num_messages == len(old)
-        restarted = await store.get_messages(tenant.id, "v4s1")
+        restarted = await store.tree.messages(tenant.id, "v4s1")
         assert [m.from_start for m in restarted] == [False, False, False, True, False]
-        branch = await store.get_branch(tenant.id, "v4s1")
+        branch = await store.tree.branch(tenant.id, "v4s1")
         assert branch.tokens() == [1, 2, 3, 4, 9, 6, 7]
         assert 0 < await raw.pttl(keys.session_nodes("v4s1")) <= 600_000
 
         # The old conversation goes on in the new layout: a regenerated answer to u1
         # continues exactly u1's tokens and becomes a sibling of a1.
         u1 = restarted[1]
-        async with store.turn_lock(tenant.id, "v4s1") as lock:
+        async with store.sessions.turn_lock(tenant.id, "v4s1") as lock:
             answer = MessageRecord(role="assistant", text="a1'", token_ids=[8])
-            await store.commit_turn(
+            await store.branches.commit_turn(
                 tenant.id,
                 "v4s1",
                 parent_id=u1.id,
@@ -281,10 +282,10 @@ async def test_layout_4_message_lists_become_trees(redis_server, prefix, raw):
                 prompt_token_ids=[1, 2, 3],
                 lock=lock,
             )
-        branch = await store.get_branch(tenant.id, "v4s1")
+        branch = await store.tree.branch(tenant.id, "v4s1")
         assert [m.text for m in branch.messages] == ["sys", "u1", "a1'"]
         assert branch.siblings[2] == [restarted[2].id, branch.messages[2].id]
-        assert (await store.get_session(tenant.id, "v4s1")).token_ids == [1, 2, 3, 8]
+        assert (await store.sessions.get(tenant.id, "v4s1")).token_ids == [1, 2, 3, 8]
     finally:
         await store.close()
 

@@ -19,17 +19,17 @@ async def test_peek_reads_the_tokens_without_refreshing_the_ttl(redis_server, pr
     try:
         tenant = await new_tenant(store)
         other = await new_tenant(store)
-        session = await store.create_session(tenant.id, None, "sys", [7, 8, 9], {})
+        session = await store.sessions.create(tenant.id, None, "sys", [7, 8, 9], {})
         key = f"{prefix}:session:{{{session.id}}}"
         # Shorten the TTL by hand: a refresh would set it back to 600 s.
         await raw.pexpire(key, 50_000)
 
-        peeked = await store.peek_session(tenant.id, session.id)
+        peeked = await store.sessions.peek(tenant.id, session.id)
         assert peeked is not None and peeked.token_ids == [7, 8, 9]
         assert 0 < await raw.pttl(key) <= 50_000
-        assert await store.peek_session(other.id, session.id) is None
+        assert await store.sessions.peek(other.id, session.id) is None
 
-        await store.get_session(tenant.id, session.id)  # the control: this one refreshes
+        await store.sessions.get(tenant.id, session.id)  # the control: this one refreshes
         assert await raw.pttl(key) > 50_000
     finally:
         await store.close()

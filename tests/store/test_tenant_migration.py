@@ -75,24 +75,24 @@ async def test_layout_2_tenants_and_prompts_are_upgraded(redis_server, prefix, r
         # Every later migration ran too: the keyspace is at the newest layout.
         assert await raw.hget(keys.meta(), "layout") == str(SCHEMA_VERSION).encode()
         # Each name has one tenant; the rotated name keeps its newest tenant.
-        assert (await store.tenant_by_name("acme")).id == "t2"
-        assert (await store.tenant_by_name("globex")).id == "t3"
-        assert (await store.ensure_tenant("acme")).id == "t2"
+        assert (await store.tenants.by_name("acme")).id == "t2"
+        assert (await store.tenants.by_name("globex")).id == "t3"
+        assert (await store.tenants.ensure("acme")).id == "t2"
         assert [k async for k in raw.scan_iter(match=f"{prefix}:apikey:*")] == []
 
         # The tenant-shared prompt is now t1's private one, and nobody else's.
-        p1 = await store.get_system_prompt("t1", "p1")
+        p1 = await store.prompts.get("t1", "p1")
         assert p1 is not None and not p1.shared
         # Every other field is kept, in the bytes the store itself writes.
         unshared = msgspec.structs.replace(_prompt("p1", "t1", True), shared=False)
         assert p1 == unshared
         assert await raw.get(keys.prompt("p1")) == encode(unshared)
-        assert await store.get_system_prompt("t3", "p1") is None
-        assert await store.list_shared_prompts() == []
-        assert [p.id for p in await store.list_system_prompts("t3")] == ["p3"]
+        assert await store.prompts.get("t3", "p1") is None
+        assert await store.prompts.all_shared() == []
+        assert [p.id for p in await store.prompts.visible("t3")] == ["p3"]
         assert await raw.smembers(keys.shared_prompts()) == set()
         # t3's session on it is intact and still its own.
-        assert (await store.get_session("t3", "s1")).system_prompt_id == "p1"
+        assert (await store.sessions.get("t3", "s1")).system_prompt_id == "p1"
     finally:
         await store.close()
 
