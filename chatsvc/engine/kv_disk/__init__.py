@@ -9,7 +9,7 @@
     stats.py         traffic counters and the load latency histogram
     tier.py          DiskTier: the engine-thread glue between cache/ and the files
 
-The bookkeeping (index, LRU, budget) is ``cache.disk_tier``; docs/cache.md
+The bookkeeping (index, LRU, budget) is ``cache.disk_index``; docs/cache.md
 describes the whole tier.
 """
 

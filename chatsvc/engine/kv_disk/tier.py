@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import KVCacheManager
-from cache.disk_tier import DiskIndex
+from cache.disk_index import DiskIndex
 from cache.namespace import PUBLIC_KEY
 from cache.plan import BlockStore
 from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock, block_bytes
