@@ -55,7 +55,8 @@ from chatsvc.engine.request import (
 from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
 from chatsvc.engine.sampling_defaults import read_sampling_defaults
-from chatsvc.engine.scheduler import ScheduledSequence, Scheduler
+from chatsvc.engine.scheduler import Scheduler
+from chatsvc.engine.scheduler_output import ScheduledSequence
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.threads import set_torch_threads
 from chatsvc.paths import kernels_dir

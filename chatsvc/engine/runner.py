@@ -23,7 +23,7 @@ from cache import CachePlan, KVCacheManager
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.llama import LlamaModel
 from chatsvc.engine.prompt_logprobs import num_logit_rows
-from chatsvc.engine.scheduler import ScheduledSequence
+from chatsvc.engine.scheduler_output import ScheduledSequence
 from chatsvc.engine.swap_stream import SwapStream
 from kernels import copy_blocks
 from kernels.kv_layout import new_kv_pool

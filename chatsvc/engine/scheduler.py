@@ -52,53 +52,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from cache import BlockChain, CachePlan, KVCacheManager
+from cache import BlockChain, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.config import SchedulerConfig
 from chatsvc.engine.errors import RequestTooLargeError
 from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.prompt_logprobs import wants_prompt_logits
+from chatsvc.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
 # work when the queue is long; the rest keep FIFO order behind them.
 MAX_RANKED_CANDIDATES = 64
-
-
-@dataclass
-class ScheduledSequence:
-    """``num_new_tokens`` tokens of ``seq`` from position ``start`` on.
-
-    ``completes``: after this step every token has KV, so the last token's logits
-    give the next token (false for intermediate prefill chunks: no sampling).
-    """
-
-    seq: Sequence
-    num_new_tokens: int
-    slots: list[int]
-    start: int = 0
-    completes: bool = False
-
-    def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.completes = self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step: what to run, the cache plans to execute before it (in order), what changed."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    plans: list[CachePlan] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
-    loads: list[tuple[Sequence, tuple]] = field(default_factory=list)  # (seq, cache DiskLoads)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
