@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from cache import CachePlan
 from chatsvc.engine.sequence import Sequence
+from chatsvc.engine.step_io import SequenceLoads
 
 
 @dataclass
@@ -40,7 +41,7 @@ class SchedulerOutput:
     plans: list[CachePlan] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
-    loads: list[tuple[Sequence, tuple]] = field(default_factory=list)  # (seq, cache DiskLoads)
+    loads: list[SequenceLoads] = field(default_factory=list)  # for StepIO.submit
 
     @property
     def num_tokens(self) -> int:
