@@ -29,9 +29,9 @@ from typing import NamedTuple
 import xxhash
 
 from .chain import BlockChain
+from .memory_tiers import TieredBlocks
 from .namespace import PUBLIC_KEY
 from .prefix_index import DEVICE, PrefixNode
-from .tiers import TieredBlocks
 
 
 class ForgetResult(NamedTuple):

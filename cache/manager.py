@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from .block_table import BlockTable
 from .chain import BlockChain, checked_tokens
-from .disk_tier import DiskIndex
+from .disk_index import DiskIndex
 from .errors import DuplicateSequenceError, OutOfBlocksError, UnknownSequenceError
 from .forget import ForgetResult, forget
 from .hashing import BlockHasher
 from .integrity import check_integrity
 from .matching import PrefixMatcher
+from .memory_tiers import TieredBlocks
 from .namespace import PUBLIC_KEY, Namespace
 from .pending import PendingBlocks
 from .plan import (
@@ -36,7 +37,6 @@ from .plan import (
 from .prefix_index import DEVICE, HOST
 from .sequence import Sequence
 from .stats import CacheStats, used_token_slots
-from .tiers import TieredBlocks
 
 # What the prompt queries and ``allocate`` take: the token ids with their
 # namespace, or a BlockChain (``chain``) that already carries both and keeps

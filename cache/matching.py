@@ -8,9 +8,9 @@ once for the whole life of the sequence.
 from __future__ import annotations
 
 from .chain import BlockChain
+from .memory_tiers import TieredBlocks
 from .prefix_index import HOST, PrefixNode
 from .sequence import Sequence
-from .tiers import TieredBlocks
 
 
 class PrefixMatcher:

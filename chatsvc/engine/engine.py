@@ -55,14 +55,19 @@ from chatsvc.engine.request import (
 from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
 from chatsvc.engine.sampling_defaults import read_sampling_defaults
-from chatsvc.engine.scheduler import ScheduledSequence, Scheduler
+from chatsvc.engine.scheduler import Scheduler
+from chatsvc.engine.scheduler_output import ScheduledSequence
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.engine.step_io import NoStepIO, StepIO
 from chatsvc.engine.threads import set_torch_threads
 from chatsvc.paths import kernels_dir
 from kernels.backend import resolve_backend
 from kernels.cpu import native
 
 log = logging.getLogger(__name__)
+# A step that computed nothing while loads are in flight sleeps on them this long at
+# most, instead of spinning.
+IDLE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -136,8 +141,12 @@ class LLMEngine:
         self.sampling_defaults = read_sampling_defaults(loaded.path)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
-        # Block files below the memory tiers (None when off or unusable here).
-        self.disk_tier = open_disk_tier(config, loaded, self.cache, self.runner)
+        # Block files below the memory tiers (None when off or unusable here). The step
+        # sees the tier only as its StepIO; forgetting, stats and shutdown ask it directly.
+        self.disk_tier = open_disk_tier(
+            config, loaded, self.cache, self.runner.kv_pool, self.runner.host_pool
+        )
+        self.step_io: StepIO = NoStepIO() if self.disk_tier is None else self.disk_tier
 
     # -- requests -----------------------------------------------------------------
 
@@ -192,18 +201,18 @@ class LLMEngine:
     @property
     def has_unfinished_requests(self) -> bool:
         # Loads of aborted requests still hold blocks until they land.
-        return bool(self._requests) or (self.disk_tier is not None and self.disk_tier.has_work)
+        return bool(self._requests) or bool(self.scheduler.loading)
 
     @property
     def has_unapplied_io(self) -> bool:
         """Disk writes whose results only this thread can take in (index entry, buffer
         back): an idle engine must still collect them (``apply_io``)."""
-        return self.disk_tier is not None and self.disk_tier.has_unapplied_writes
+        return self.step_io.has_unapplied_writes
 
     def apply_io(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` for a disk job to end, then take in every ended one."""
-        self.disk_tier.worker.wait(wait_s)
-        self.disk_tier.before_step(self.scheduler)
+        self.step_io.wait(wait_s)
+        self.scheduler.finish_loads(self.step_io.finished_loads())
 
     @property
     def num_requests(self) -> int:
@@ -218,18 +227,16 @@ class LLMEngine:
         a failure of the scheduler, the cache plans or the cache's bookkeeping is
         raised (see the module docstring).
         """
-        disk = self.disk_tier
-        if disk is not None:
-            disk.before_step(self.scheduler)
+        io = self.step_io
+        self.scheduler.finish_loads(io.finished_loads())
         out = self.scheduler.schedule()
         outputs: list[StepOutput] = []
         for seq, error in out.failed:
             outputs.extend(self._fail_request(seq.request.request_id, error))
-        self.runner.execute_plans(out.plans)
-        if disk is not None:
-            # After the plans (one may have held the blocks' old data), before the
-            # forward, so the reads overlap the step's compute.
-            disk.submit_loads(out)
+        self.runner.execute_plans(out.plans, io)
+        # After the plans (one may have held the blocks' old data), before the forward,
+        # so the reads overlap the step's compute.
+        self.scheduler.finish_loads(io.submit(out.loads))
         completing, logits = [], None
         if out.scheduled:
             items, logits = self._forward(out.scheduled, outputs)
@@ -238,11 +245,12 @@ class LLMEngine:
             if items:
                 self.scheduler.update_from_step(items)
                 completing, logits = self.runner.completing_rows(items, logits)
-        # Store the blocks the step indexed, even when it computed nothing (a loading
-        # sequence is waited on there). Not after an exception: the engine's state is
-        # then in doubt and nothing of it may reach the disk.
-        if disk is not None:
-            disk.after_step(out, self.scheduler)
+        # Write-through: the blocks the step indexed, before a later plan can reuse
+        # them. Not after an exception: the engine's state is then in doubt and nothing
+        # of it may reach the disk.
+        io.store(self.cache.take_stores())
+        if not out.scheduled and self.scheduler.loading:
+            io.wait(IDLE_WAIT_S)  # nothing to compute until a load lands
         if completing:
             outputs.extend(self._sample_and_stop([s.seq for s in completing], logits))
         return outputs
@@ -562,6 +570,7 @@ class LLMEngine:
         if self.disk_tier is not None:
             self.disk_tier.close()
             self.disk_tier = None
+            self.step_io = NoStepIO()
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

@@ -28,7 +28,7 @@ import torch
 from chatsvc.engine.logprobs import token_logprobs
 
 if TYPE_CHECKING:
-    from chatsvc.engine.scheduler import ScheduledSequence
+    from chatsvc.engine.scheduler_output import ScheduledSequence
     from chatsvc.engine.sequence import Sequence
 
 

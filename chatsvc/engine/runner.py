@@ -1,7 +1,8 @@
 """Turns a scheduled step into tensors, runs the cache's block copies and the model.
 
 Per step, in order:
-1. ``execute_plans``: every CachePlan of the step, call by call: swap_out
+1. ``execute_plans``: every CachePlan of the step, call by call: stores
+   (to the step's I/O: blocks leaving memory for the disk tier), swap_out
    (device -> host), swap_in (host -> device), copies (device -> device,
    copy-on-write);
 2. ``forward``: one forward pass over the new tokens of the scheduled sequences;
@@ -23,7 +24,8 @@ from cache import CachePlan, KVCacheManager
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.llama import LlamaModel
 from chatsvc.engine.prompt_logprobs import num_logit_rows
-from chatsvc.engine.scheduler import ScheduledSequence
+from chatsvc.engine.scheduler_output import ScheduledSequence
+from chatsvc.engine.step_io import StepIO
 from chatsvc.engine.swap_stream import SwapStream
 from kernels import copy_blocks
 from kernels.kv_layout import new_kv_pool
@@ -44,16 +46,14 @@ class ModelRunner:
             if num_host_blocks
             else None
         )
-        # Set by the disk tier (chatsvc.engine.kv_disk): copy blocks a plan drops
-        # from memory out before the plan reuses them.
-        self.store_blocks = None
         # Tier swaps on their own CUDA stream, ordered by stream waits (swap_stream.py).
         self.swaps = SwapStream(self.kv_pool.device)
 
-    def execute_plan(self, plan: CachePlan) -> None:
-        """Run one plan's copies in the order the cache requires."""
-        if plan.stores and self.store_blocks is not None:
-            self.store_blocks(plan.stores)
+    def execute_plan(self, plan: CachePlan, io: StepIO) -> None:
+        """Run one plan's copies in the order the cache requires; its stores go to ``io``
+        first, while the blocks still hold what they name."""
+        if plan.stores:
+            io.store(plan.stores)
         if plan.swap_out or plan.swap_in:
             if self.host_pool is None:
                 raise RuntimeError("the cache planned a host swap but there is no host pool")
@@ -64,10 +64,10 @@ class ModelRunner:
         if plan.copies:
             copy_blocks(self.kv_pool, self.kv_pool, _pairs(plan.copies))
 
-    def execute_plans(self, plans: list[CachePlan]) -> None:
+    def execute_plans(self, plans: list[CachePlan], io: StepIO) -> None:
         """Run the step's cache plans, in order; once per step, before any forward."""
         for plan in plans:
-            self.execute_plan(plan)
+            self.execute_plan(plan, io)
 
     def forward(self, items: list[ScheduledSequence], cache: KVCacheManager) -> torch.Tensor:
         """Logits ``[R, vocab]`` (fp32): ``num_logit_rows(item)`` rows per item, in item order,

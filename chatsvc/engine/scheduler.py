@@ -37,10 +37,11 @@ re-admission ``allocate`` re-matches them and only the tail is recomputed. It
 goes back to the front of the waiting queue.
 
 Disk hits: when a candidate's match continues into the disk tier, ``allocate``
-hands back loads for those blocks. The sequence then holds its blocks and
-waits in LOADING (``loading``; never a preemption victim, never scheduled)
-while the disk tier reads them and other sequences step; ``finish_loading``
-counts the verified ones as computed and it joins the running list.
+hands back loads for those blocks (``SchedulerOutput.loads``). The sequence
+then holds its blocks and waits in LOADING (``loading``; never a preemption
+victim, never scheduled) while the disk tier reads them and other sequences
+step; once the step's I/O reports them ended (``finish_loads``) the verified
+ones count as computed and it joins the running list.
 
 No deadlock: a request that could never fit (more blocks than the pool) is
 refused at submit time, so a sequence alone in the engine always fits; if the
@@ -52,53 +53,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-from cache import BlockChain, CachePlan, KVCacheManager
+from cache import BlockChain, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.config import SchedulerConfig
 from chatsvc.engine.errors import RequestTooLargeError
 from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.prompt_logprobs import wants_prompt_logits
+from chatsvc.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.engine.step_io import FinishedLoad, SequenceLoads
 
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
 # work when the queue is long; the rest keep FIFO order behind them.
 MAX_RANKED_CANDIDATES = 64
-
-
-@dataclass
-class ScheduledSequence:
-    """``num_new_tokens`` tokens of ``seq`` from position ``start`` on.
-
-    ``completes``: after this step every token has KV, so the last token's logits
-    give the next token (false for intermediate prefill chunks: no sampling).
-    """
-
-    seq: Sequence
-    num_new_tokens: int
-    slots: list[int]
-    start: int = 0
-    completes: bool = False
-
-    def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.completes = self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step: what to run, the cache plans to execute before it (in order), what changed."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    plans: list[CachePlan] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
-    loads: list[tuple[Sequence, tuple]] = field(default_factory=list)  # (seq, cache DiskLoads)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -149,6 +118,11 @@ class Scheduler:
             self.waiting.remove(seq)
         # A loading sequence keeps its blocks until its loads land: the disk tier
         # is writing into them (finish_loading frees them then).
+
+    def finish_loads(self, finished: Iterable[FinishedLoad]) -> None:
+        """Apply the loads the step's I/O reports ended (``StepIO``), in order."""
+        for seq, num_blocks in finished:
+            self.finish_loading(seq, num_blocks)
 
     def finish_loading(self, seq: Sequence, num_blocks: int) -> None:
         """The disk tier read the first ``num_blocks`` of the sequence's loads; it runs now."""
@@ -313,7 +287,7 @@ class Scheduler:
             if result.loads:
                 seq.status = SequenceStatus.LOADING
                 self.loading[seq.seq_id] = seq
-                out.loads.append((seq, result.loads))
+                out.loads.append(SequenceLoads(seq, result.loads))
                 queue.admit(seq)
                 continue
             seq.status = SequenceStatus.RUNNING

@@ -223,9 +223,9 @@ def test_a_step_failing_only_as_a_batch_is_retried_once_per_plan(smollm2_fp32, m
     plans: list[object] = []
     real_plans = engine.runner.execute_plans
 
-    def execute_plans(step_plans):
+    def execute_plans(step_plans, io):
         plans.extend(step_plans)
-        return real_plans(step_plans)
+        return real_plans(step_plans, io)
 
     monkeypatch.setattr(engine.runner, "execute_plans", execute_plans)
     calls = {"n": 0}
@@ -247,9 +247,9 @@ def test_a_step_failing_only_as_a_batch_is_retried_once_per_plan(smollm2_fp32, m
     reference_plans: list[object] = []
     real_reference = reference.runner.execute_plans
 
-    def record(step_plans):
+    def record(step_plans, io):
         reference_plans.extend(step_plans)
-        return real_reference(step_plans)
+        return real_reference(step_plans, io)
 
     monkeypatch.setattr(reference.runner, "execute_plans", record)
     expected, _ = run(reference, [request(reference, "forked", POISONED, **params)])

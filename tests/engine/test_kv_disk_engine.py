@@ -90,7 +90,7 @@ def settle(engine) -> None:
     tier = engine.disk_tier
     while tier.worker.num_queued:
         tier.worker.wait(0.05)
-    tier.before_step(engine.scheduler)
+    engine.apply_io(0.0)
 
 
 def turn_prompt(engine, history, turn):

@@ -273,7 +273,7 @@ def test_a_waiting_prompt_is_hashed_once_from_ranking_to_indexing(monkeypatch):
 
 
 def test_twins_of_a_prompt_loading_from_disk_wait_for_it_instead_of_loading_it_again():
-    from cache.disk_tier import DiskIndex
+    from cache.disk_index import DiskIndex
 
     clock = itertools.count(1000).__next__
     disk = DiskIndex(100, 100_000)

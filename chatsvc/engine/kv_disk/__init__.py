@@ -7,9 +7,10 @@
     jobs.py          write / load / delete jobs, run on the I/O thread
     worker.py        the I/O thread (loads first, then the rest in order)
     stats.py         traffic counters and the load latency histogram
-    tier.py          DiskTier: the engine-thread glue between cache/ and the files
+    step_io.py       DiskStepIO: the engine-thread side, between cache/ and the files;
+                     the engine's StepIO (chatsvc/engine/step_io.py) when the tier is on
 
-The bookkeeping (index, LRU, budget) is ``cache.disk_tier``; docs/cache.md
+The bookkeeping (index, LRU, budget) is ``cache.disk_index``; docs/cache.md
 describes the whole tier.
 """
 
@@ -20,14 +21,14 @@ from pathlib import Path
 
 from chatsvc.engine.kv_disk.directory import TierDirectory, TierUnavailable, make_private_dir
 from chatsvc.engine.kv_disk.fingerprint import model_fingerprint
-from chatsvc.engine.kv_disk.tier import DiskSettings, DiskTier
+from chatsvc.engine.kv_disk.step_io import DiskSettings, DiskStepIO
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiskSettings", "DiskTier", "open_disk_tier"]
+__all__ = ["DiskSettings", "DiskStepIO", "open_disk_tier"]
 
 
-def open_disk_tier(config, loaded, cache, runner, clock=None) -> DiskTier | None:
+def open_disk_tier(config, loaded, cache, kv_pool, host_pool, clock=None) -> DiskStepIO | None:
     """The engine's disk tier, or None when it is off or cannot be used here.
 
     Off when ``config.kv_disk_dir`` is unset, ``kv_disk_bytes`` is 0, or the
@@ -61,14 +62,14 @@ def open_disk_tier(config, loaded, cache, runner, clock=None) -> DiskTier | None
     )
     kwargs = {} if clock is None else {"clock": clock}
     try:
-        tier = DiskTier(
+        tier = DiskStepIO(
             cache,
             directory,
             fingerprint,
             config.block_size,
             shape.block_bytes(model.dtype),
-            runner.kv_pool,
-            runner.host_pool,
+            kv_pool,
+            host_pool,
             settings,
             **kwargs,
         )
@@ -76,7 +77,6 @@ def open_disk_tier(config, loaded, cache, runner, clock=None) -> DiskTier | None
         directory.close()
         log.warning("KV disk tier off: %s cannot be read (%s); serving without it", root, exc)
         return None
-    runner.store_blocks = tier.store_blocks
     log.info(
         "KV disk tier in %s: %d block(s) found, budget %.1f GiB (%s)",
         directory.path,

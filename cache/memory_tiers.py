@@ -1,4 +1,4 @@
-"""Device and host block tiers under one prefix index.
+"""TieredBlocks: the memory tiers (device and host) under one prefix index.
 
 Every device block is in exactly one state:
 
@@ -43,7 +43,7 @@ class TieredBlocks:
         self.node_of_block: list[PrefixNode | None] = [None] * num_blocks
         self.node_of_host_block: list[PrefixNode | None] = [None] * num_host_blocks
         self.num_evictable = 0
-        self.disk = None  # cache.disk_tier.DiskIndex when there is a disk tier
+        self.disk = None  # cache.disk_index.DiskIndex when there is a disk tier
         # Write-through: nodes indexed since the engine last took them (to store).
         self.new_nodes: list[PrefixNode] | None = None
 

@@ -1,18 +1,20 @@
-"""DiskTier: the engine's disk tier, between the cache's bookkeeping and the files.
+"""DiskStepIO: the disk tier on the engine thread, the engine's StepIO when it is on.
 
-Everything here runs on the engine thread, between or inside steps: writes
-and loads are jobs for the I/O threads (``worker``), whose results are
-applied at the start of the next step; the step loop never waits for them.
+It sits between the cache's bookkeeping (``cache.disk_index``) and the files,
+and sees the engine only through the StepIO seam (``chatsvc.engine.step_io``):
+loads it is handed, stores it is given, finished loads it hands back. Writes and
+loads are jobs for the I/O threads (``worker``), whose results are taken in at
+the start of the next step; the step loop never waits for them.
 
     step N   scheduler admits a prompt whose match continues on disk: its blocks
              are allocated, the sequence waits in LOADING (``cache.allocate`` ->
              loads); after the step's plans ran, the loads are queued
-             (``submit_loads``: a plan may have held those blocks' old data)
+             (``submit``: a plan may have held those blocks' old data)
     I/O      on the load threads, each block read straight into its pool block
              (CPU) or through a pinned buffer (CUDA), verified (checksum,
              fingerprint, hash, parent, tokens, namespace)
-    step N+k ``before_step``: the verified prefix of the loads counts as computed;
-             the sequence runs and prefills only the rest
+    step N+k ``finished_loads``: the sequence and its verified prefix, which the
+             scheduler counts as computed; it runs and prefills only the rest
 
 Writes: write-through stores every newly indexed block once, right after the
 step that computed it; in both modes a block dropped from the memory tiers
@@ -29,13 +31,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence as Items
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from cache import KVCacheManager
-from cache.disk_tier import DiskIndex
+from cache.disk_index import DiskIndex
 from cache.namespace import PUBLIC_KEY
 from cache.plan import BlockStore
 from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock, block_bytes
@@ -52,10 +55,10 @@ from chatsvc.engine.kv_disk.jobs import (
 )
 from chatsvc.engine.kv_disk.stats import DiskStats
 from chatsvc.engine.kv_disk.worker import IOWorker
+from chatsvc.engine.step_io import FinishedLoad, SequenceLoads
 
 log = logging.getLogger(__name__)
 BUDGET_RECHECK_S = 30.0
-IDLE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,8 @@ class _Loading:
         return count
 
 
-class DiskTier:
-    """One engine's disk tier (see the module docstring)."""
+class DiskStepIO:
+    """One engine's disk tier, a ``StepIO`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -124,7 +127,6 @@ class DiskTier:
         )
         self._copy_stream = torch.cuda.Stream(kv_pool.device) if self.cuda else None
         self._loading: dict[object, _Loading] = {}
-        self._unsubmitted: list = []
         self._paused_until: float | None = None
         self._next_budget_check = 0.0
         self.index = DiskIndex(self.file_nbytes, settings.budget_bytes or 0)
@@ -154,41 +156,46 @@ class DiskTier:
         self._next_budget_check = self.clock() + BUDGET_RECHECK_S
         return self.directory.auto_budget(used_bytes)
 
-    # -- the step loop ------------------------------------------------------------
-
-    @property
-    def has_work(self) -> bool:
-        """Loads in flight or not yet started: the engine must keep stepping."""
-        return bool(self._loading)
+    # -- the step loop (StepIO) ----------------------------------------------------
 
     @property
     def has_unapplied_writes(self) -> bool:
-        """Writes queued whose results this thread has not taken in (``before_step``):
+        """Writes queued whose results this thread has not taken in (``finished_loads``):
         until then their blocks count as writing and their buffers are not free."""
         return bool(self.index.writing)
 
-    def before_step(self, scheduler) -> None:
-        """Apply finished jobs: writes join the index, finished loads release sequences."""
+    def finished_loads(self) -> list[FinishedLoad]:
+        """Apply finished jobs: writes join the index; returns the sequences whose loads
+        all ended."""
+        finished = []
         for job in self.worker.take_done():
             if job.kind == "write":
                 self._write_done(job)
             elif job.kind == "load":
-                self._load_done(job, scheduler)
+                state = self._load_done(job)
+                if state is not None:
+                    finished.append(self._finished(state))
         if self.settings.budget_bytes is None and self.clock() >= self._next_budget_check:
             budget = self._budget(self.index.used_bytes)
             self._delete(self.index.set_budget(budget))
+        return finished
 
-    def submit_loads(self, out) -> None:
-        """Queue the step's disk loads; called once the step's plans have run."""
+    def submit(self, loads: Items[SequenceLoads]) -> list[FinishedLoad]:
+        """Queue the step's disk loads; called once the step's plans have run.
+
+        Returns the sequences none of whose blocks is on disk any more (evicted
+        since they were matched, in this very step): they ended without I/O.
+        """
         ready = None
-        if self.cuda and out.loads:
+        if self.cuda and loads:
             ready = torch.cuda.Event()
             ready.record()
-        for seq, loads in out.loads:
-            state = _Loading(seq, len(loads))
+        ended = []
+        for seq, seq_loads in loads:
+            state = _Loading(seq, len(seq_loads))
             self._loading[seq.seq_id] = state
             jobs = []
-            for i, load in enumerate(loads):
+            for i, load in enumerate(seq_loads):
                 entry = self.index.entries.get(load.hash)
                 if entry is None:
                     # Evicted from the budget since it was matched, in this very step.
@@ -223,20 +230,10 @@ class DiskTier:
                 job.group = group
                 self.worker.submit_urgent(job)
             if state.remaining == 0:
-                self._unsubmitted.append(state)
-        out.loads.clear()
+                ended.append(self._finished(state))
+        return ended
 
-    def after_step(self, out, scheduler) -> None:
-        """Store the blocks this step indexed (write-through); wait a little when idle."""
-        for state in self._unsubmitted:
-            self._finish_loading(state, scheduler)
-        self._unsubmitted.clear()
-        self.store_blocks(self.cache.take_stores())
-        if not out.scheduled and self._loading:
-            # Nothing to compute until a load lands: sleep on it, not spin.
-            self.worker.wait(IDLE_WAIT_S)
-
-    def store_blocks(self, stores: list[BlockStore] | tuple[BlockStore, ...]) -> None:
+    def store(self, stores: Items[BlockStore]) -> None:
         """Snapshot blocks and queue their writes; drops what cannot be stored now."""
         index = self.index
         if self.cuda and any(store.location == "host" for store in stores):
@@ -279,6 +276,9 @@ class DiskTier:
             )
             self.worker.submit(job)
 
+    def wait(self, timeout_s: float) -> None:
+        self.worker.wait(timeout_s)
+
     # -- results ------------------------------------------------------------------
 
     def _write_done(self, job: WriteJob) -> None:
@@ -303,10 +303,11 @@ class DiskTier:
             )
         self._paused_until = self.clock() + self.settings.retry_s
 
-    def _load_done(self, job: LoadJob, scheduler) -> None:
+    def _load_done(self, job: LoadJob) -> _Loading | None:
+        """Record one load's result; returns its sequence's loads once all ended."""
         state = self._loading.get(job.seq_id)
         if state is None:
-            return
+            return None
         state.results[job.index] = job.result
         state.remaining -= 1
         stats = self.stats
@@ -325,12 +326,11 @@ class DiskTier:
                 )
             if job.result in (CORRUPT, FOREIGN, MISSING):
                 self.index.remove(job.load.hash)
-        if state.remaining == 0:
-            self._finish_loading(state, scheduler)
+        return state if state.remaining == 0 else None
 
-    def _finish_loading(self, state: _Loading, scheduler) -> None:
+    def _finished(self, state: _Loading) -> FinishedLoad:
         self._loading.pop(state.seq.seq_id, None)
-        scheduler.finish_loading(state.seq, state.num_usable())
+        return FinishedLoad(state.seq, state.num_usable())
 
     # -- deletion, shutdown, statistics --------------------------------------------
 
@@ -386,7 +386,7 @@ class DiskTier:
                 for job in self.worker.take_done():
                     if job.kind == "write":
                         self._write_done(job)
-            self.store_blocks(
+            self.store(
                 [
                     BlockStore(
                         node.location,

@@ -1,4 +1,4 @@
-"""The disk tier's bookkeeping (cache.disk_tier) and its hooks in the manager, without torch.
+"""The disk tier's bookkeeping (cache.disk_index) and its hooks in the manager, without torch.
 
 The files are not here: "writing" a block is reserve + finish_write, as the
 engine's I/O thread reports it.
@@ -7,7 +7,7 @@ engine's I/O thread reports it.
 import pytest
 
 from cache import KVCacheManager, Namespace
-from cache.disk_tier import DiskIndex
+from cache.disk_index import DiskIndex
 from cache.errors import CacheIntegrityError
 from cache.forget import owner_digest
 from cache.hashing import ROOT_HASH, BlockHasher

@@ -1,0 +1,48 @@
+"""What one scheduler step hands the engine: the sequences to run and what changed.
+
+Its own module because the scheduler, the runner and prompt logprobs all read
+a ``ScheduledSequence``, and the scheduler itself asks prompt logprobs which
+sequences must skip the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cache import CachePlan
+from chatsvc.engine.sequence import Sequence
+from chatsvc.engine.step_io import SequenceLoads
+
+
+@dataclass
+class ScheduledSequence:
+    """``num_new_tokens`` tokens of ``seq`` from position ``start`` on.
+
+    ``completes``: after this step every token has KV, so the last token's logits
+    give the next token (false for intermediate prefill chunks: no sampling).
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    slots: list[int]
+    start: int = 0
+    completes: bool = False
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.completes = self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what to run, the cache plans to execute before it (in order), what changed."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    plans: list[CachePlan] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+    loads: list[SequenceLoads] = field(default_factory=list)  # for StepIO.submit
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
