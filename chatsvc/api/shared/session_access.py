@@ -1,0 +1,53 @@
+"""A session as the handlers of both APIs reach it: read, or written under its turn lock.
+
+Another tenant's session or message answers exactly like an unknown one (404),
+and so does a malformed id, which can name nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from chatsvc.api.shared.errors import NotFoundError
+from chatsvc.service import Services
+from chatsvc.store import InvalidInputError
+from chatsvc.store.branch_read import Branch
+from chatsvc.store.records import SessionRecord, TenantRecord
+
+UNKNOWN_SESSION = "no such session"
+UNKNOWN_MESSAGE = "no such message in this session"
+
+
+async def get_session(
+    services: Services, tenant: TenantRecord, session_id: str
+) -> SessionRecord | None:
+    try:
+        return await services.store.get_session(tenant.id, session_id)
+    except InvalidInputError:  # a malformed id can name no session: same answer as an unknown one
+        return None
+
+
+async def read_branch(
+    services: Services, tenant: TenantRecord, session_id: str, leaf_id: str | None = None
+) -> Branch:
+    """The branch ending at ``leaf_id`` (None: the active one); 404 when the session or
+    the message is unknown (or another tenant's: the same answer)."""
+    try:
+        branch = await services.store.get_branch(tenant.id, session_id, leaf_id)
+    except InvalidInputError:  # a malformed id names nothing
+        branch = None
+    if branch is None:
+        raise NotFoundError(UNKNOWN_SESSION if leaf_id is None else UNKNOWN_MESSAGE)
+    return branch
+
+
+async def locked_write(services: Services, tenant: TenantRecord, session_id: str, write):
+    """Run ``write(lock, write_id)`` under the session's turn lock: 404 for an unknown
+    session or message, 409 while a turn runs. The write id is fresh per request; a
+    resend of the same script after a lost reply carries it and is applied once."""
+    store = services.store
+    try:
+        async with store.turn_lock(tenant.id, session_id) as lock:
+            return await write(lock, secrets.token_hex(16))
+    except InvalidInputError:  # a malformed session or message id names nothing
+        raise NotFoundError(UNKNOWN_SESSION) from None
