@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 from cache import BlockChain, CachePlan, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.config import SchedulerConfig
-from chatsvc.engine.errors import RequestTooLargeError
 from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.prompt_logprobs import wants_prompt_logits
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.protocol import RequestTooLargeError
 
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
 # work when the queue is long; the rest keep FIFO order behind them.
