@@ -9,7 +9,7 @@ from litestar import Controller, Response, delete, get, post
 from litestar.params import FromPath, JSONBody
 
 from chatsvc.api.native.schemas import CreateSharedPrompt, SystemPromptList, SystemPromptView
-from chatsvc.api.native.system_prompts import UNKNOWN_PROMPT, prompt_view
+from chatsvc.api.native.system_prompts import prompt_view
 from chatsvc.api.shared.auth import admin_guard
 from chatsvc.api.shared.deps import ServicesDep
 from chatsvc.api.shared.errors import (
@@ -20,6 +20,7 @@ from chatsvc.api.shared.errors import (
     documented_errors,
 )
 from chatsvc.api.shared.rendering import check_text, system_prefix_tokens
+from chatsvc.api.shared.store_access import UNKNOWN_PROMPT
 from chatsvc.metrics import CONTENT_TYPE
 from chatsvc.protocol import EngineClient, EngineStoppedError
 from chatsvc.store.errors import InvalidInputError, LimitExceededError

@@ -15,8 +15,8 @@ from litestar.params import FromPath, JSONBody
 from chatsvc.api.native.schemas import MessageList, MessageView, SwitchBranch
 from chatsvc.api.shared.deps import ServicesDep, TenantDep
 from chatsvc.api.shared.errors import documented_errors
-from chatsvc.api.shared.session_access import locked_write, read_branch
 from chatsvc.api.shared.session_kv import delete_with_kv
+from chatsvc.api.shared.store_access import locked_write, read_branch
 from chatsvc.store.branch_read import Branch
 from chatsvc.store.records import MessageRecord
 

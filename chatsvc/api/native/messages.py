@@ -39,7 +39,7 @@ from chatsvc.api.shared.errors import (
 from chatsvc.api.shared.openapi_streams import StreamingOperation
 from chatsvc.api.shared.rendering import check_text
 from chatsvc.api.shared.sampling import build_sampling
-from chatsvc.api.shared.session_access import read_branch
+from chatsvc.api.shared.store_access import read_branch
 from chatsvc.api.turn.run import begin_turn, run_turn
 from chatsvc.api.turn.spec import StoredTurn, TurnSpec
 from chatsvc.store import StoreUnavailableError

@@ -14,8 +14,8 @@ from chatsvc.api.shared.errors import (
     documented_errors,
 )
 from chatsvc.api.shared.rendering import check_text, system_prefix_tokens
-from chatsvc.api.shared.session_access import UNKNOWN_SESSION, get_session
 from chatsvc.api.shared.session_kv import delete_session_and_kv
+from chatsvc.api.shared.store_access import UNKNOWN_SESSION, get_session, visible_prompt
 from chatsvc.store import InvalidInputError
 from chatsvc.store.records import SessionRecord, SessionSummary
 
@@ -61,7 +61,7 @@ class SessionController(Controller):
             raise InvalidRequestError("give system_prompt_id or system_prompt, not both")
         text, token_ids = None, []
         if data.system_prompt_id is not None:
-            prompt = await _system_prompt(services, tenant, data.system_prompt_id)
+            prompt = await visible_prompt(services, tenant, data.system_prompt_id)
             text, token_ids = prompt.text, list(prompt.token_ids)
         elif data.system_prompt is not None:
             text = check_text(data.system_prompt, services, "system prompt")
@@ -130,13 +130,3 @@ class SessionController(Controller):
         """Delete the session's keys, then its KV blocks in every tier (files included)."""
         if not await delete_session_and_kv(services, tenant, session_id):
             raise NotFoundError(UNKNOWN_SESSION)
-
-
-async def _system_prompt(services: ServicesDep, tenant: TenantDep, prompt_id: str):
-    try:
-        prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
-    except InvalidInputError:
-        prompt = None
-    if prompt is None:
-        raise NotFoundError("no such system prompt")
-    return prompt

@@ -22,11 +22,9 @@ from chatsvc.api.shared.errors import (
     documented_errors,
 )
 from chatsvc.api.shared.rendering import check_text, system_prefix_tokens
-from chatsvc.service import Services
+from chatsvc.api.shared.store_access import UNKNOWN_PROMPT, visible_prompt
 from chatsvc.store.errors import InvalidInputError, LimitExceededError
-from chatsvc.store.records import SystemPromptRecord, TenantRecord
-
-UNKNOWN_PROMPT = "no such system prompt"
+from chatsvc.store.records import SystemPromptRecord
 
 
 def prompt_view(prompt: SystemPromptRecord) -> SystemPromptView:
@@ -38,44 +36,6 @@ def prompt_view(prompt: SystemPromptRecord) -> SystemPromptView:
         num_tokens=len(prompt.token_ids),
         created_at=prompt.created_at,
     )
-
-
-async def visible_prompt(
-    services: Services, tenant: TenantRecord, prompt_id: str
-) -> SystemPromptRecord:
-    """The tenant's own or a shared prompt by id; 404 for any other id, malformed ones too."""
-    try:
-        prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
-    except InvalidInputError:
-        prompt = None
-    if prompt is None:
-        raise NotFoundError(UNKNOWN_PROMPT)
-    return prompt
-
-
-async def named_system_prompt(
-    services: Services, tenant: TenantRecord, prompt_id: str | None, messages: list[dict]
-) -> SystemPromptRecord | None:
-    """The prompt an OpenAI-style request names by ``system_prompt_id`` (None: none named).
-
-    Its text becomes the leading system message of ``messages`` (role/content
-    dicts, changed in place), unless they already start with a system message
-    of exactly that text; a leading system message with other text is a 400,
-    since the request would then hold two system prompts. 404 for an id the
-    tenant cannot see.
-    """
-    if prompt_id is None:
-        return None
-    prompt = await visible_prompt(services, tenant, prompt_id)
-    if messages and messages[0]["role"] == "system":
-        if messages[0]["content"] != prompt.text:
-            raise InvalidRequestError(
-                "the leading system message is not the text of system_prompt_id; "
-                "send one or the other"
-            )
-    else:
-        messages.insert(0, {"role": "system", "content": prompt.text})
-    return prompt
 
 
 class SystemPromptController(Controller):

@@ -19,7 +19,6 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 
-from chatsvc.api.native.system_prompts import named_system_prompt
 from chatsvc.api.openai.caller_ids import affinity_headers, check_caller_ids, log_caller_ids
 from chatsvc.api.openai.logprob_views import chat_logprobs, token_texts
 from chatsvc.api.openai.models import check_model
@@ -54,7 +53,10 @@ from chatsvc.api.shared.generation import (
 from chatsvc.api.shared.openapi_streams import StreamingOperation
 from chatsvc.api.shared.rendering import format_chat, namespace_for, shared_prefix_len
 from chatsvc.api.shared.sampling import fit_context
+from chatsvc.api.shared.store_access import visible_prompt
 from chatsvc.protocol import GenerationRequest
+from chatsvc.service import Services
+from chatsvc.store.records import SystemPromptRecord, TenantRecord
 
 ENDPOINT = "chat_completions"
 
@@ -141,6 +143,31 @@ def template_messages(services: ServicesDep, messages: list[ChatMessage]) -> lis
     if total > services.settings.limits.max_message_chars * 4:
         raise InvalidRequestError(f"the messages hold {total} characters; too long")
     return converted
+
+
+async def named_system_prompt(
+    services: Services, tenant: TenantRecord, prompt_id: str | None, messages: list[dict]
+) -> SystemPromptRecord | None:
+    """The prompt an OpenAI-style request names by ``system_prompt_id`` (None: none named).
+
+    Its text becomes the leading system message of ``messages`` (role/content
+    dicts, changed in place), unless they already start with a system message
+    of exactly that text; a leading system message with other text is a 400,
+    since the request would then hold two system prompts. 404 for an id the
+    tenant cannot see.
+    """
+    if prompt_id is None:
+        return None
+    prompt = await visible_prompt(services, tenant, prompt_id)
+    if messages and messages[0]["role"] == "system":
+        if messages[0]["content"] != prompt.text:
+            raise InvalidRequestError(
+                "the leading system message is not the text of system_prompt_id; "
+                "send one or the other"
+            )
+    else:
+        messages.insert(0, {"role": "system", "content": prompt.text})
+    return prompt
 
 
 def _logprobs_of(data: ChatCompletionRequest) -> int | None:

@@ -35,8 +35,8 @@ from chatsvc.api.shared.errors import (
     documented_errors,
 )
 from chatsvc.api.shared.rendering import check_text
-from chatsvc.api.shared.session_access import get_session, locked_write, read_branch
 from chatsvc.api.shared.session_kv import delete_session_and_kv, delete_with_kv
+from chatsvc.api.shared.store_access import get_session, locked_write, read_branch
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
 from chatsvc.store.records import MessageRecord, SessionRecord, SessionSummary, TenantRecord

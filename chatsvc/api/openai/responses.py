@@ -44,7 +44,7 @@ from chatsvc.api.shared.errors import InvalidRequestError, NotFoundError, docume
 from chatsvc.api.shared.openapi_streams import StreamingOperation
 from chatsvc.api.shared.rendering import check_text
 from chatsvc.api.shared.sampling import build_sampling
-from chatsvc.api.shared.session_access import locked_write
+from chatsvc.api.shared.store_access import locked_write
 from chatsvc.api.turn.run import begin_turn, run_turn
 from chatsvc.api.turn.spec import StoredTurn, TurnSpec
 from chatsvc.service import Services

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from chatsvc.api.shared.rendering import namespace_for, shared_prefix_len
-from chatsvc.api.shared.session_access import get_session, locked_write
+from chatsvc.api.shared.store_access import get_session, locked_write
 from chatsvc.protocol import EngineStoppedError
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError

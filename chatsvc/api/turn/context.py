@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chatsvc.api.shared.errors import InvalidRequestError, NotFoundError, RateLimitError
-from chatsvc.api.shared.session_access import UNKNOWN_MESSAGE, UNKNOWN_SESSION
+from chatsvc.api.shared.store_access import UNKNOWN_MESSAGE, UNKNOWN_SESSION
 from chatsvc.api.turn.spec import TurnSpec
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from chatsvc import affinity
 from chatsvc.api.shared.errors import NotFoundError, RateLimitError, ServiceUnavailableError
 from chatsvc.api.shared.generation import SampleResult, generate, record_finished
-from chatsvc.api.shared.session_access import UNKNOWN_SESSION, get_session
+from chatsvc.api.shared.store_access import UNKNOWN_SESSION, get_session
 from chatsvc.api.turn.commit import answer_record, commit_turn
 from chatsvc.api.turn.context import TurnContext, check_room, read_context
 from chatsvc.api.turn.hold import TurnHold, take_hold

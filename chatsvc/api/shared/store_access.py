@@ -1,7 +1,8 @@
-"""A session as the handlers of both APIs reach it: read, or written under its turn lock.
+"""What the handlers of both APIs read from the store, and how they write a session.
 
-Another tenant's session or message answers exactly like an unknown one (404),
-and so does a malformed id, which can name nothing.
+Reads: a session, a branch of it, a system prompt. Another tenant's record
+answers exactly like an unknown one (404), and so does a malformed id, which
+can name nothing. Writes to a session run under its turn lock (``locked_write``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from chatsvc.api.shared.errors import NotFoundError
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
 from chatsvc.store.branch_read import Branch
-from chatsvc.store.records import SessionRecord, TenantRecord
+from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
 
 UNKNOWN_SESSION = "no such session"
 UNKNOWN_MESSAGE = "no such message in this session"
+UNKNOWN_PROMPT = "no such system prompt"
 
 
 async def get_session(
@@ -51,3 +53,16 @@ async def locked_write(services: Services, tenant: TenantRecord, session_id: str
             return await write(lock, secrets.token_hex(16))
     except InvalidInputError:  # a malformed session or message id names nothing
         raise NotFoundError(UNKNOWN_SESSION) from None
+
+
+async def visible_prompt(
+    services: Services, tenant: TenantRecord, prompt_id: str
+) -> SystemPromptRecord:
+    """The tenant's own or a shared prompt by id; 404 for any other id, malformed ones too."""
+    try:
+        prompt = await services.store.get_system_prompt(tenant.id, prompt_id)
+    except InvalidInputError:
+        prompt = None
+    if prompt is None:
+        raise NotFoundError(UNKNOWN_PROMPT)
+    return prompt
