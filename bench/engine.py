@@ -24,7 +24,8 @@ import statistics
 import time
 
 from cache import Namespace
-from chatsvc.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
+from chatsvc.engine import AsyncEngine, EngineConfig
+from chatsvc.protocol import GenerationRequest, SamplingParams
 
 # One sentence of the shared system prompt (~33 tokens); --system-repeat sets its length.
 SYSTEM_SENTENCE = (

@@ -33,7 +33,7 @@ from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.loader import load_model
-from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.protocol import GenerationRequest, SamplingParams
 from kernels.kv_layout import KVShape, layer_views, new_kv_pool
 
 NS = Namespace(tenant_salt=b"gpu-check", label="gpu")

@@ -115,7 +115,7 @@ class AffinityTracker:
 
 
 def record_turn(services: Any, turn: Any, metrics: Any, completion_tokens: int) -> None:
-    """Feed one stored session turn (chatsvc.api.turn.PreparedTurn) to the tracker and metrics."""
+    """Feed one stored turn (chatsvc.api.turn.prompt.PreparedTurn) to the tracker and metrics."""
     context = turn.context
     prompt = turn.request.prompt_token_ids
     history = HistoryTurn(

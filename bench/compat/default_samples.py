@@ -15,7 +15,7 @@ import argparse
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
-from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.protocol import GenerationRequest, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

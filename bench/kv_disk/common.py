@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from cache import Namespace
-from chatsvc.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
+from chatsvc.engine import AsyncEngine, EngineConfig
+from chatsvc.protocol import GenerationRequest, SamplingParams
 
 SYSTEM = (
     "You are a patient assistant for a travel company. Answer in detail but stay on "

@@ -4,7 +4,7 @@
     python -m bench.scaleout.store_turns --smoke
 
 Runs the store calls of one chat turn (turn lock, session and history reads,
-commit_turn, release: what chatsvc/api/turn.py does, without a model) against
+commit_turn, release: what chatsvc/api/turn/ does, without a model) against
 two setups: one Valkey with the AOF fsynced on every write (``redis://``), and
 a primary with two replicas behind Sentinel (``redis+sentinel://``, every
 MULTI/EXEC confirmed by WAIT 1, AOF fsync always on every node). Reported per

@@ -1,4 +1,10 @@
-"""The Litestar application: controllers, dependencies, error mapping, lifespan."""
+"""The Litestar application: controllers, dependencies, error mapping, lifespan.
+
+It composes the two public surfaces, ``native/`` (sessions, messages, branches,
+system prompts, admin, health) and ``openai/`` (the OpenAI-compatible ``/v1``),
+over what both use, ``shared/`` (guards, errors, auth, the engine calls) and
+``turn/`` (one turn of a session).
+"""
 
 from __future__ import annotations
 
@@ -11,22 +17,23 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 import chatsvc
-from chatsvc.api.admin import AdminController
-from chatsvc.api.auth import provide_tenant
-from chatsvc.api.body_timeout import body_timeout_middleware
-from chatsvc.api.branches import BranchController
-from chatsvc.api.completions import CompletionsController
-from chatsvc.api.content_type import json_only_middleware
-from chatsvc.api.conversations import ConversationController
-from chatsvc.api.errors import EXCEPTION_HANDLERS
-from chatsvc.api.health import healthz, readyz
-from chatsvc.api.host_check import allowed_hosts_middleware
-from chatsvc.api.messages import MessageController
-from chatsvc.api.openai_compat import OpenAIController
-from chatsvc.api.responses import ResponsesController
-from chatsvc.api.sessions import SessionController
-from chatsvc.api.system_prompts import SystemPromptController
-from chatsvc.api.tokenize import TokenizeController
+from chatsvc.api.native.admin import AdminController
+from chatsvc.api.native.branches import BranchController
+from chatsvc.api.native.health import healthz, readyz
+from chatsvc.api.native.messages import MessageController
+from chatsvc.api.native.sessions import SessionController
+from chatsvc.api.native.system_prompts import SystemPromptController
+from chatsvc.api.openai.chat_completions import ChatCompletionsController
+from chatsvc.api.openai.completions import CompletionsController
+from chatsvc.api.openai.conversations import ConversationController
+from chatsvc.api.openai.models import ModelsController
+from chatsvc.api.openai.responses import ResponsesController
+from chatsvc.api.openai.tokenize import TokenizeController
+from chatsvc.api.shared.auth import provide_tenant
+from chatsvc.api.shared.body_timeout import body_timeout_middleware
+from chatsvc.api.shared.content_type import json_only_middleware
+from chatsvc.api.shared.errors import EXCEPTION_HANDLERS
+from chatsvc.api.shared.host_check import allowed_hosts_middleware
 from chatsvc.config import Settings
 from chatsvc.logs import RequestIdMiddleware
 from chatsvc.service import Services, running_services
@@ -55,7 +62,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             MessageController,
             BranchController,
             SystemPromptController,
-            OpenAIController,
+            ModelsController,
+            ChatCompletionsController,
             CompletionsController,
             TokenizeController,
             ResponsesController,

@@ -2,7 +2,8 @@
 
 The names below load on first use: importing ``chatsvc.engine`` (or a torch-free
 module of it, such as ``chatsvc.engine.config``) does not import torch. Callers
-outside the engine type against ``chatsvc.protocol`` (``EngineClient``) instead.
+outside the engine type against ``chatsvc.protocol`` (``EngineClient``) instead, and
+the request, delta and error types are imported from there, by the engine too.
 """
 
 from __future__ import annotations
@@ -18,15 +19,6 @@ if TYPE_CHECKING:
     from chatsvc.engine.llama import LlamaModel
     from chatsvc.engine.loader import LoadedModel, load_model
     from chatsvc.engine.model_config import ModelConfig, RopeScaling
-    from chatsvc.protocol import (
-        EngineError,
-        EngineStoppedError,
-        GenerationDelta,
-        GenerationRequest,
-        RequestMetrics,
-        RequestTooLargeError,
-        SamplingParams,
-    )
 
 # name -> the module that defines it
 _EXPORTS = {
@@ -40,32 +32,18 @@ _EXPORTS = {
     "load_model": "chatsvc.engine.loader",
     "ModelConfig": "chatsvc.engine.model_config",
     "RopeScaling": "chatsvc.engine.model_config",
-    "EngineError": "chatsvc.protocol",
-    "EngineStoppedError": "chatsvc.protocol",
-    "GenerationDelta": "chatsvc.protocol",
-    "GenerationRequest": "chatsvc.protocol",
-    "RequestMetrics": "chatsvc.protocol",
-    "RequestTooLargeError": "chatsvc.protocol",
-    "SamplingParams": "chatsvc.protocol",
 }
 
 # Spelled out for static tools; the same names as _EXPORTS.
 __all__ = [
     "AsyncEngine",
     "EngineConfig",
-    "EngineError",
-    "EngineStoppedError",
     "ForwardBatch",
-    "GenerationDelta",
-    "GenerationRequest",
     "LLMEngine",
     "LlamaModel",
     "LoadedModel",
     "ModelConfig",
-    "RequestMetrics",
-    "RequestTooLargeError",
     "RopeScaling",
-    "SamplingParams",
     "StepOutput",
     "load_model",
 ]

@@ -46,7 +46,6 @@ from chatsvc.engine.commands import (
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine, StepOutput
 from chatsvc.engine.loader import LoadedModel
-from chatsvc.engine.sampling_defaults import SamplingDefaults
 from chatsvc.protocol import (
     ChatTemplate,
     EngineInfo,
@@ -54,6 +53,8 @@ from chatsvc.protocol import (
     GenerationDelta,
     GenerationRequest,
     RequestValidationError,
+    SamplingDefaults,
+    Tokenizer,
 )
 from kernels.cpu import native
 
@@ -139,7 +140,7 @@ class AsyncEngine:
     # -- the interface ------------------------------------------------------------
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self._engine.tokenizer
 
     @property

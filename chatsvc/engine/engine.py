@@ -33,25 +33,11 @@ from chatsvc.engine.allocator import keep_freed_memory
 from chatsvc.engine.chat_format import ChatFormat
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
-from chatsvc.engine.errors import (
-    EngineInternalError,
-    RequestTooLargeError,
-    RequestValidationError,
-)
 from chatsvc.engine.kv_disk import open_disk_tier
 from chatsvc.engine.loader import LoadedModel, load_model
 from chatsvc.engine.logits_processing import LogitsState
 from chatsvc.engine.logprobs import token_logprobs
 from chatsvc.engine.prompt_logprobs import take_prompt_logprobs
-from chatsvc.engine.request import (
-    CACHE_TIERS,
-    FinishReason,
-    GenerationDelta,
-    GenerationRequest,
-    RequestMetrics,
-    SamplingParams,
-    TokenLogprob,
-)
 from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
 from chatsvc.engine.sampling_defaults import read_sampling_defaults
@@ -61,6 +47,18 @@ from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.step_io import NoStepIO, StepIO
 from chatsvc.engine.threads import set_torch_threads
 from chatsvc.paths import kernels_dir
+from chatsvc.protocol import (
+    CACHE_TIERS,
+    EngineInternalError,
+    FinishReason,
+    GenerationDelta,
+    GenerationRequest,
+    RequestMetrics,
+    RequestTooLargeError,
+    RequestValidationError,
+    SamplingParams,
+    TokenLogprob,
+)
 from kernels.backend import resolve_backend
 from kernels.cpu import native
 

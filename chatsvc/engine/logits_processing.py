@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from chatsvc.engine.request import SamplingParams
+from chatsvc.protocol import SamplingParams
 
 
 class LogitsState:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from chatsvc.engine.request import TokenLogprob
+from chatsvc.protocol import TokenLogprob
 
 
 def token_logprobs(

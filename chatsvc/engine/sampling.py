@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from chatsvc.engine.logits_processing import LogitsState
-from chatsvc.engine.request import SamplingParams
+from chatsvc.protocol import SamplingParams
 
 
 class SamplingError(RuntimeError):

@@ -13,25 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
+
+from chatsvc.protocol import SamplingDefaults
 
 log = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
-
-
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """Default sampling fields; ``source`` says where they came from (for /v1/models, logs)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    source: str = "neutral"
-
 
 BUILT_IN = SamplingDefaults(temperature=0.2, top_p=0.9, source="built-in")
 _FIELDS = tuple(f.name for f in fields(SamplingDefaults) if f.name != "source")

@@ -58,12 +58,12 @@ from collections.abc import Iterable
 from cache import BlockChain, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.config import SchedulerConfig
-from chatsvc.engine.errors import RequestTooLargeError
 from chatsvc.engine.fairness import FairQueue, slots_of
 from chatsvc.engine.prompt_logprobs import wants_prompt_logits
 from chatsvc.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.step_io import FinishedLoad, SequenceLoads
+from chatsvc.protocol import RequestTooLargeError
 
 # Waiting sequences whose cached prefix is measured per step: bounds the hashing
 # work when the queue is long; the rest keep FIFO order behind them.

@@ -30,7 +30,7 @@ import torch
 from cache import BlockChain
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
 from chatsvc.engine.logits_processing import LogitsState
-from chatsvc.engine.request import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+from chatsvc.protocol import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):

@@ -7,7 +7,13 @@ what they get back, the errors it raises and the calls they may make on it.
 ``chatsvc.api`` and ``chatsvc.service`` depend on this package only.
 """
 
-from chatsvc.protocol.client import ChatTemplate, EngineClient, EngineInfo
+from chatsvc.protocol.client import (
+    ChatTemplate,
+    EngineClient,
+    EngineInfo,
+    SamplingDefaults,
+    Tokenizer,
+)
 from chatsvc.protocol.errors import (
     EngineError,
     EngineInternalError,
@@ -51,6 +57,8 @@ __all__ = [
     "RequestMetrics",
     "RequestTooLargeError",
     "RequestValidationError",
+    "SamplingDefaults",
     "SamplingParams",
     "TokenLogprob",
+    "Tokenizer",
 ]

@@ -19,7 +19,6 @@ from chatsvc.protocol.requests import GenerationDelta, GenerationRequest
 
 if TYPE_CHECKING:
     from cache import Namespace
-    from chatsvc.engine.sampling_defaults import SamplingDefaults
 
 
 @runtime_checkable
@@ -54,6 +53,56 @@ class ChatTemplate(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, special tokens kept as the template wrote them."""
         ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The model's (transformers) tokenizer, as far as the API uses it: raw text to ids
+    (``/v1/completions``, ``/tokenize``), single tokens to text (logprobs), and the
+    special tokens ``/tokenizer_info`` reports. Prompts of a chat are built with
+    ``ChatTemplate`` instead. A fast tokenizer also has ``backend_tokenizer``, which
+    the API only probes (byte-level BPE or not) and so leaves out of this protocol.
+    """
+
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    added_tokens_decoder: Mapping[int, Any]  # id -> its added token (``.content``)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Mapping[str, Any]:
+        """Encode ``text``; ``["input_ids"]`` holds its token ids."""
+        ...
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        """The vocabulary's own strings of token ids (e.g. ``Ġthe``), one or a list."""
+        ...
+
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+    ) -> str:
+        """Text of token ids."""
+        ...
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Default sampling fields; ``source`` says where they came from (for /v1/models, logs).
+
+    What a request gets for the sampling fields it leaves unset: the model's own
+    (``chatsvc.engine.sampling_defaults`` reads them), else built-in values.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    source: str = "neutral"
 
 
 @dataclass(frozen=True)
@@ -119,8 +168,8 @@ class EngineClient(Protocol):
     def chat_format(self) -> ChatTemplate: ...
 
     @property
-    def tokenizer(self) -> Any:
-        """The model's (transformers) tokenizer."""
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
         ...
 
     @property

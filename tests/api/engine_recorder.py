@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Recorded:
-    request: object  # chatsvc.engine.GenerationRequest
-    deltas: list = field(default_factory=list)  # chatsvc.engine.GenerationDelta
+    request: object  # chatsvc.protocol.GenerationRequest
+    deltas: list = field(default_factory=list)  # chatsvc.protocol.GenerationDelta
 
     @property
     def output_token_ids(self) -> list[int]:

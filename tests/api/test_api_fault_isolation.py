@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 
 from bench.live_server import ThreadServer
-from chatsvc.api.generation import ENGINE_FAILED
+from chatsvc.api.shared.generation import ENGINE_FAILED
 from chatsvc.chat_client import iter_sse
 from chatsvc.config import Settings
 from tests import http_helpers

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from chatsvc.api.sessions import LIST_PAGE_MAX_BYTES
+from chatsvc.api.native.sessions import LIST_PAGE_MAX_BYTES
 from chatsvc.store.records import MessageRecord
 from tests.api.conftest import ACME_KEY, new_session
 

@@ -11,9 +11,9 @@ from litestar import get, post
 from litestar.params import JSONBody
 from litestar.testing import create_test_client
 
-from chatsvc.api.content_type import json_only_middleware
-from chatsvc.api.errors import EXCEPTION_HANDLERS
-from chatsvc.api.host_check import allowed_hosts_middleware, host_name
+from chatsvc.api.shared.content_type import json_only_middleware
+from chatsvc.api.shared.errors import EXCEPTION_HANDLERS
+from chatsvc.api.shared.host_check import allowed_hosts_middleware, host_name
 from chatsvc.config import Settings, SettingsError
 from chatsvc.store.connection import unavailable_on_failure
 
@@ -142,7 +142,7 @@ class _Records(logging.Handler):
 def test_a_store_outage_names_no_server_to_the_caller_and_logs_the_detail():
     # A handler of our own: the test app's logging setup may stop propagation.
     records = _Records()
-    logger = logging.getLogger("chatsvc.api.errors")
+    logger = logging.getLogger("chatsvc.api.shared.errors")
     logger.addHandler(records)
     try:
         with create_test_client([_outage], exception_handlers=EXCEPTION_HANDLERS) as client:

@@ -246,7 +246,7 @@ def test_another_tenants_response_answers_exactly_like_an_unknown_one(sdk, other
 
 
 def test_chat_completions_carry_the_cache_key_and_log_caller_ids_only_as_hashes(sdk, model, caplog):
-    caplog.set_level("INFO", logger="chatsvc.api.caller_ids")
+    caplog.set_level("INFO", logger="chatsvc.api.openai.caller_ids")
     raw = sdk.chat.completions.with_raw_response.create(
         model=model,
         messages=[{"role": "user", "content": unique("Hi")}],

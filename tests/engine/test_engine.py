@@ -8,8 +8,7 @@ import torch
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
-from chatsvc.engine.errors import RequestTooLargeError
-from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.protocol import GenerationRequest, RequestTooLargeError, SamplingParams
 
 pytestmark = pytest.mark.slow
 NS = Namespace(tenant_salt=b"tenant-a", label="a")

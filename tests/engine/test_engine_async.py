@@ -10,8 +10,12 @@ import pytest
 from cache import Namespace
 from chatsvc.engine.async_engine import AsyncEngine
 from chatsvc.engine.config import EngineConfig
-from chatsvc.engine.errors import EngineStoppedError, RequestTooLargeError
-from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.protocol import (
+    EngineStoppedError,
+    GenerationRequest,
+    RequestTooLargeError,
+    SamplingParams,
+)
 
 pytestmark = pytest.mark.slow
 NS = Namespace(tenant_salt=b"tenant-b", label="b")

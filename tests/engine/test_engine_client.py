@@ -9,7 +9,7 @@ import pytest
 
 from chatsvc.engine.async_engine import AsyncEngine
 from chatsvc.engine.config import EngineConfig
-from chatsvc.protocol import EngineClient, EngineInfo, EngineStoppedError
+from chatsvc.protocol import EngineClient, EngineInfo, EngineStoppedError, Tokenizer
 
 
 def _protocol_members() -> list[str]:
@@ -55,6 +55,7 @@ def test_info_describes_the_started_engine(smollm2_fp32):
         await engine.start()
         try:
             assert isinstance(engine, EngineClient)
+            assert isinstance(engine.tokenizer, Tokenizer)
             return engine.info
         finally:
             await engine.stop()

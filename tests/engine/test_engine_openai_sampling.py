@@ -13,7 +13,7 @@ import torch
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
-from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.protocol import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 NS = Namespace(tenant_salt=b"tenant-o", label="o")

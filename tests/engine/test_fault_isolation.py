@@ -16,9 +16,8 @@ import pytest
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
-from chatsvc.engine.errors import EngineInternalError
-from chatsvc.engine.request import GenerationRequest, SamplingParams
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.protocol import EngineInternalError, GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 NS = Namespace(tenant_salt=b"tenant-f", label="f")

@@ -28,7 +28,7 @@ from chatsvc.engine.kv_disk import jobs as kv_jobs
 from chatsvc.engine.kv_disk.fileformat import parse_name
 from chatsvc.engine.kv_disk.fingerprint import model_fingerprint
 from chatsvc.engine.loader import load_local
-from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.protocol import GenerationRequest, SamplingParams
 from tests.engine.kv_fs import fill, read_only_dir, small_filesystem
 
 pytestmark = pytest.mark.slow

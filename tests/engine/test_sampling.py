@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from chatsvc.engine.request import SamplingParams
 from chatsvc.engine.sampling import filtered_probs, make_generator, sample
+from chatsvc.protocol import SamplingParams
 
 
 def _logits(batch: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatsvc.engine.request import MIN_SAMPLING_TEMPERATURE, SamplingParams
 from chatsvc.engine.sampling import SamplingError, filtered_probs, make_generator, sample_rows
+from chatsvc.protocol import MIN_SAMPLING_TEMPERATURE, SamplingParams
 
 
 def _logits(batch: int, vocab: int = 64, seed: int = 0, scale: float = 30.0) -> torch.Tensor:

@@ -6,9 +6,9 @@ import pytest
 
 from cache import KVCacheManager, Namespace
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
-from chatsvc.engine.request import GenerationRequest, SamplingParams
 from chatsvc.engine.scheduler import Scheduler, SchedulerConfig
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.protocol import GenerationRequest, SamplingParams
 
 BS = 4
 NS = Namespace(tenant_salt=b"t", label="t")

@@ -15,8 +15,8 @@ from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.kv_disk import DiskSettings, DiskStepIO
 from chatsvc.engine.kv_disk.directory import TierDirectory
-from chatsvc.engine.request import GenerationRequest, SamplingParams
 from chatsvc.engine.step_io import FinishedLoad, NoStepIO, SequenceLoads
+from chatsvc.protocol import GenerationRequest, SamplingParams
 
 BS = 16
 FP = b"F" * 16

@@ -3,17 +3,21 @@
     PYTHONPATH=. python tests/layering/import_guard.py BLOCKED MODULE...   (repository root)
 
 ``BLOCKED`` is a comma-separated list of module names; a name blocks itself and
-everything under it (``chatsvc.api`` blocks ``chatsvc.api.app``). ``MODULE`` is a
-module to import, or ``pkg.*`` for every module file of a package. An attempt is
-recorded even when the importing code catches the ImportError (an optional
-import), so the guard sees every edge of the import graph that runs. Prints one
-JSON object: the attempts (who imported what) and the modules that failed.
+everything under it (``chatsvc.api`` blocks ``chatsvc.api.app``). ``NAME@SCOPE``
+blocks ``NAME`` to the modules under ``SCOPE`` only (``chatsvc.engine@chatsvc.api``:
+the API's own imports of the engine, while a module outside the API may load it).
+``MODULE`` is a module to import, or ``pkg.*`` for every module file of a package.
+An attempt is recorded even when the importing code catches the ImportError (an
+optional import), so the guard sees every edge of the import graph that runs.
+Prints one JSON object: the attempts (who imported what) and the modules that failed.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import importlib.abc
+import importlib.util
 import json
 import pkgutil
 import sys
@@ -39,6 +43,42 @@ class Guard(importlib.abc.MetaPathFinder):
         return None
 
 
+def _under(module: str, name: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
+class ScopedGuard:
+    """Refuses ``name`` to the importers under ``scope``, for each ``(name, scope)`` rule.
+
+    It wraps ``builtins.__import__``, which every import statement that runs goes
+    through, also for a module already loaded (one a finder is never asked about
+    again), so the rule holds however the name got loaded first.
+    """
+
+    def __init__(self, rules: list[tuple[str, str]], attempts: list[dict[str, str]]) -> None:
+        self.rules = rules
+        self.attempts = attempts
+        self.original = builtins.__import__
+
+    def __call__(self, name, globals=None, locals=None, fromlist=(), level=0):
+        namespace = globals or {}
+        importer = namespace.get("__name__", "?")
+        target = name
+        if level:
+            package = namespace.get("__package__") or importer.rpartition(".")[0]
+            target = importlib.util.resolve_name("." * level + name, package)
+        # ``from pkg import mod`` names the module pkg.mod through its fromlist.
+        targets = [target, *(f"{target}.{item}" for item in fromlist or () if item != "*")]
+        for blocked, scope in self.rules:
+            if not _under(importer, scope):
+                continue
+            for module in targets:
+                if _under(module, blocked):
+                    self.attempts.append({"module": module, "imported_by": importer})
+                    raise ImportError(f"{module} is forbidden in {scope} (tests/layering)")
+        return self.original(name, globals, locals, fromlist, level)
+
+
 def expand(name: str) -> list[str]:
     if not name.endswith(".*"):
         return [name]
@@ -50,9 +90,13 @@ def expand(name: str) -> list[str]:
 
 
 def main() -> None:
-    blocked = [name for name in sys.argv[1].split(",") if name]
+    names = [name for name in sys.argv[1].split(",") if name]
+    blocked = [name for name in names if "@" not in name]
     guard = Guard(blocked)
     sys.meta_path.insert(0, guard)
+    scoped = [tuple(name.split("@", 1)) for name in names if "@" in name]
+    if scoped:
+        builtins.__import__ = ScopedGuard(scoped, guard.attempts)
     for name in blocked:
         if name in sys.modules or any(m.startswith(name + ".") for m in sys.modules):
             raise SystemExit(f"{name} was imported before the guard was installed")

@@ -3,8 +3,9 @@
     cache/            no torch, no chatsvc        (plain bookkeeping)
     kernels/          no chatsvc                  (tensors in, tensors out)
     chatsvc/engine/   no chatsvc.api, chatsvc.store, redis, litestar
-    chatsvc/protocol  no torch                    (the engine's contract)
+    chatsvc/protocol  no torch, no chatsvc.engine (the engine's contract)
     chatsvc/api, chatsvc/service: no torch        (they talk to the engine through it)
+    chatsvc/api       no chatsvc.engine in its own imports
     migrations/       no chatsvc                  (data the store applies)
     bench/            no tests                    (the suites import bench, not the reverse)
 
@@ -68,15 +69,17 @@ def test_engine_never_imports_http_or_redis():
     assert "chatsvc.engine.async_engine" in report["imported"]
 
 
-def test_protocol_loads_without_torch():
-    report = guarded_import(["torch", "transformers", "kernels"], ["chatsvc.protocol.*"])
+def test_protocol_loads_without_torch_or_the_engine():
+    # The engine implements the contract and imports it, never the reverse.
+    blocked = ["torch", "transformers", "kernels", "chatsvc.engine"]
+    report = guarded_import(blocked, ["chatsvc.protocol.*"])
     assert_clean(report)
     assert "chatsvc.protocol.client" in report["imported"]
 
 
 def test_engine_package_and_config_load_without_torch():
     # The package's names load on first use, so its torch-free modules stay torch-free.
-    modules = ["chatsvc.engine", "chatsvc.engine.config", "chatsvc.engine.request"]
+    modules = ["chatsvc.engine", "chatsvc.engine.config"]
     report = guarded_import(["torch", "transformers", "kernels"], modules)
     assert_clean(report)
 
@@ -87,6 +90,15 @@ def test_api_and_service_load_without_torch():
     report = guarded_import(["torch", "transformers", "kernels"], modules)
     assert_clean(report)
     assert "chatsvc.api.app" in report["imported"]
+
+
+def test_api_imports_nothing_of_the_engine():
+    # Only the API's own imports: chatsvc.config loads the engine's settings
+    # (chatsvc.engine.config), which the service hands to the engine it builds.
+    report = guarded_import(["chatsvc.engine@chatsvc.api"], ["chatsvc.api.*"])
+    assert_clean(report)
+    assert "chatsvc.api.app" in report["imported"]
+    assert "chatsvc.api.turn.run" in report["imported"]
 
 
 def test_migrations_are_data_that_import_nothing_of_chatsvc():
@@ -113,9 +125,30 @@ def test_the_guard_sees_an_import_that_is_caught():
     ]
 
 
-@pytest.mark.parametrize("name", ["AsyncEngine", "EngineConfig", "SamplingParams"])
+def test_the_scoped_guard_sees_an_import_of_a_loaded_module():
+    # kernels.kv_layout loads torch first (allowed there), so a finder is never asked
+    # again; the scoped rule must still see the optional module's own import of it.
+    report = guarded_import(
+        ["torch@tests.layering.optional_torch"],
+        ["kernels.kv_layout", "tests.layering.optional_torch"],
+    )
+    assert report["failed"] == {}
+    assert report["attempts"] == [
+        {"module": "torch", "imported_by": "tests.layering.optional_torch"}
+    ]
+
+
+@pytest.mark.parametrize("name", ["AsyncEngine", "EngineConfig", "ModelConfig"])
 def test_engine_package_names_resolve(name):
     import chatsvc.engine
 
     assert getattr(chatsvc.engine, name).__name__ == name
     assert name in chatsvc.engine.__all__
+
+
+def test_the_contract_types_have_one_home():
+    # Requests, deltas and errors are chatsvc.protocol's; the engine names none of them.
+    import chatsvc.engine
+
+    assert not hasattr(chatsvc.engine, "SamplingParams")
+    assert not hasattr(chatsvc.engine, "EngineStoppedError")

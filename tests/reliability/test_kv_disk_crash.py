@@ -20,7 +20,7 @@ from bench.live_server import ProcessServer, wait_until
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
-from chatsvc.engine.request import GenerationRequest, SamplingParams
+from chatsvc.protocol import GenerationRequest, SamplingParams
 from chatsvc.store import Store
 from chatsvc.store.embedded import EmbeddedRedis
 from tests.redis_server import unique_prefix

@@ -1,0 +1,1 @@
+"""The native API: sessions, their messages and branches, system prompts, admin, health."""

@@ -1,0 +1,50 @@
+"""Liveness and readiness probes (no auth: load balancers and orchestrators call them)."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Response, get
+from litestar.openapi.datastructures import ResponseSpec
+
+from chatsvc.api.shared.deps import ServicesDep
+
+
+class Health(msgspec.Struct, kw_only=True):
+    status: str
+    checks: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+@get("/healthz", summary="The process is up", tags=["health"])
+async def healthz() -> Health:
+    return Health(status="ok")
+
+
+@get(
+    "/readyz",
+    summary="Redis answers PING and the engine is serving",
+    tags=["health"],
+    responses={503: ResponseSpec(Health, description="Not ready", generate_examples=False)},
+)
+async def readyz(services: ServicesDep) -> Response[Health]:
+    """200 when both are ready, else 503 with the failing check named."""
+    checks = {"engine": _engine_check(services)}
+    try:
+        await services.store.redis.ping()
+        checks["store"] = "ok"
+    except Exception as exc:  # any failure means "not ready"; the reason goes in the body
+        checks["store"] = f"unavailable: {type(exc).__name__}"
+    ready = all(value == "ok" for value in checks.values())
+    return Response(
+        Health(status="ok" if ready else "unavailable", checks=checks),
+        status_code=200 if ready else 503,
+    )
+
+
+def _engine_check(services: ServicesDep) -> str:
+    if not services.engine_started:
+        return "not started"
+    failure = services.engine.failure
+    if failure is not None:
+        # The type only: this probe answers without auth.
+        return f"died: {type(failure).__name__}"
+    return "ok"

@@ -1,0 +1,144 @@
+"""Bodies of the OpenAI-compatible chat endpoint and /v1/models, in the openai SDK's names.
+
+Anything this server does not implement is an unknown field and rejected, so
+nothing is silently ignored. The sampling fields shared with /v1/completions are
+in ``sampling_fields``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from chatsvc.api.openai.sampling_fields import SamplingFields
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template takes it (``developer`` is a system message)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # Caller ids (chatsvc.api.openai.caller_ids; ``user`` is a sampling field): logged as
+    # hashes; the cache key comes back in the X-Prompt-Cache-Key header, for a load
+    # balancer's affinity.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Extension (the openai SDK sends it with extra_body): a stored system prompt by
+    # id, whose text becomes the leading system message. Only a shared prompt named
+    # here puts the conversation's head in the public cache namespace.
+    system_prompt_id: str | None = None
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobView(msgspec.Struct, kw_only=True):
+    """One output token: its text, log-probability, UTF-8 bytes, and the likeliest tokens."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprobView] | None
+    refusal: None = None
+
+
+class Choice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int
+
+
+class CompletionUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: CompletionUsage
+    object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChunkDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: CompletionUsage | None = None
+
+
+class Model(msgspec.Struct, kw_only=True):
+    """The served model. ``max_model_len`` (as vLLM reports it): the longest prompt +
+    completion in tokens; ``kv_block_size``: tokens per KV cache block, the unit of
+    prefix reuse (cached_tokens are multiples of it)."""
+
+    id: str
+    created: int
+    max_model_len: int
+    kv_block_size: int
+    owned_by: str = "chatsvc"
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[Model]
+    object: Literal["list"] = "list"

@@ -1,0 +1,68 @@
+"""What the handlers of both APIs read from the store, and how they write a session.
+
+Reads: a session, a branch of it, a system prompt. Another tenant's record
+answers exactly like an unknown one (404), and so does a malformed id, which
+can name nothing. Writes to a session run under its turn lock (``locked_write``).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from chatsvc.api.shared.errors import NotFoundError
+from chatsvc.service import Services
+from chatsvc.store import InvalidInputError
+from chatsvc.store.branch_read import Branch
+from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
+
+UNKNOWN_SESSION = "no such session"
+UNKNOWN_MESSAGE = "no such message in this session"
+UNKNOWN_PROMPT = "no such system prompt"
+
+
+async def get_session(
+    services: Services, tenant: TenantRecord, session_id: str
+) -> SessionRecord | None:
+    try:
+        return await services.store.sessions.get(tenant.id, session_id)
+    except InvalidInputError:  # a malformed id can name no session: same answer as an unknown one
+        return None
+
+
+async def read_branch(
+    services: Services, tenant: TenantRecord, session_id: str, leaf_id: str | None = None
+) -> Branch:
+    """The branch ending at ``leaf_id`` (None: the active one); 404 when the session or
+    the message is unknown (or another tenant's: the same answer)."""
+    try:
+        branch = await services.store.tree.branch(tenant.id, session_id, leaf_id)
+    except InvalidInputError:  # a malformed id names nothing
+        branch = None
+    if branch is None:
+        raise NotFoundError(UNKNOWN_SESSION if leaf_id is None else UNKNOWN_MESSAGE)
+    return branch
+
+
+async def locked_write(services: Services, tenant: TenantRecord, session_id: str, write):
+    """Run ``write(lock, write_id)`` under the session's turn lock: 404 for an unknown
+    session or message, 409 while a turn runs. The write id is fresh per request; a
+    resend of the same script after a lost reply carries it and is applied once."""
+    store = services.store
+    try:
+        async with store.sessions.turn_lock(tenant.id, session_id) as lock:
+            return await write(lock, secrets.token_hex(16))
+    except InvalidInputError:  # a malformed session or message id names nothing
+        raise NotFoundError(UNKNOWN_SESSION) from None
+
+
+async def visible_prompt(
+    services: Services, tenant: TenantRecord, prompt_id: str
+) -> SystemPromptRecord:
+    """The tenant's own or a shared prompt by id; 404 for any other id, malformed ones too."""
+    try:
+        prompt = await services.store.prompts.get(tenant.id, prompt_id)
+    except InvalidInputError:
+        prompt = None
+    if prompt is None:
+        raise NotFoundError(UNKNOWN_PROMPT)
+    return prompt
