@@ -6,10 +6,28 @@ test session; tests keep apart by key prefix (tests/redis_server.py).
 
 from __future__ import annotations
 
-import pytest
-import redis
+import os
 
-from tests.redis_server import started_server
+# Under pytest-xdist (pyproject's addopts: two workers, whole files each) every worker
+# gets its share of the CPUs for torch's and the C kernels' OpenMP pools: two pools of
+# all the cores on a two-core machine spin against each other and stall every step.
+# Set before anything imports torch (this conftest is imported first).
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
+
+import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from tests.redis_server import started_server  # noqa: E402
+
+# The suites that start their own servers run for minutes per file; handed out first,
+# they never start last and leave one worker running alone at the end.
+LONG_SUITES = ("tests/reliability/", "tests/scaleout/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_SUITES))
 
 
 @pytest.fixture(scope="session")
