@@ -58,6 +58,10 @@ class Limits:
     max_shared_system_prompts: int = 100
     # Seconds the whole request body may take to arrive before 408 (slow-loris guard).
     body_read_timeout_s: int = 30
+    # Bytes one OpenAI completion's answer (or its whole stream) may reach, by an upper
+    # estimate from the request: n choices with logprobs of long prompts turn a small
+    # body into a huge answer, built while the tenant's generation slot is held.
+    max_response_bytes: int = 16 * 1024 * 1024
 
     def validate(self) -> None:
         for name, value in vars(self).items():

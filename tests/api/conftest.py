@@ -32,6 +32,8 @@ TEST_LIMITS = Limits(
     max_n=4,
     max_sessions_per_tenant=1_000,
     max_streams_per_tenant=4,
+    # Small, so a refused answer is cheap to ask for (test_api_response_size.py).
+    max_response_bytes=500_000,
 )
 
 

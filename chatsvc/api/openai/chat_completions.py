@@ -13,12 +13,13 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
-from litestar import Controller, Response, post
+from litestar import Controller, MediaType, Response, post
 from litestar.background_tasks import BackgroundTask
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 
+from chatsvc.api.openai import response_size
 from chatsvc.api.openai.caller_ids import affinity_headers, check_caller_ids, log_caller_ids
 from chatsvc.api.openai.logprob_views import chat_logprobs, token_texts
 from chatsvc.api.openai.models import check_model
@@ -88,6 +89,8 @@ class ChatCompletionsController(Controller):
         ``stream_options.include_usage``."""
         check_caller_ids(data.prompt_cache_key, data.user, data.safety_identifier)
         request = await _build_request(services, tenant, data)
+        estimate = response_size.chat_completion_bytes(request, data.stream)
+        response_size.check_response_bytes(estimate, services.settings.limits.max_response_bytes)
         slot = StreamSlot(services, tenant.id)
         completion_id = new_request_id("chatcmpl")
         log_caller_ids(
@@ -106,22 +109,27 @@ class ChatCompletionsController(Controller):
             slot.release()
         texts = token_texts(services.engine.tokenizer)
         wants_logprobs = request.sampling.logprobs is not None
-        completion = ChatCompletion(
-            id=completion_id,
-            created=created,
-            model=services.engine.model_name,
-            choices=[
-                Choice(
-                    index=i,
-                    message=AssistantMessage(content=s.text),
-                    finish_reason=s.finish_reason or "stop",
-                    logprobs=chat_logprobs(texts, s.logprobs) if wants_logprobs else None,
-                )
-                for i, s in enumerate(samples)
-            ],
-            usage=_usage(samples),
-        )
-        return Response(completion, headers=headers)
+
+        def answer() -> bytes:
+            completion = ChatCompletion(
+                id=completion_id,
+                created=created,
+                model=services.engine.model_name,
+                choices=[
+                    Choice(
+                        index=i,
+                        message=AssistantMessage(content=s.text),
+                        finish_reason=s.finish_reason or "stop",
+                        logprobs=chat_logprobs(texts, s.logprobs) if wants_logprobs else None,
+                    )
+                    for i, s in enumerate(samples)
+                ],
+                usage=_usage(samples),
+            )
+            return response_size.encode_answer(completion)
+
+        body = await response_size.off_loop(answer, estimate)
+        return Response(body, headers=headers, media_type=MediaType.JSON)
 
 
 async def _release(slot: StreamSlot) -> None:

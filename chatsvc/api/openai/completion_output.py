@@ -5,6 +5,12 @@ come (``deltas``), folded into per-sample results, and turned into OpenAI's
 ``text_completion`` objects: choice ``prompt_index * n + i``, the echoed prompt and
 its scores in front of a choice's first piece, ``text_offset`` running on across a
 stream's chunks.
+
+A prompt's scores are the same on each of its n choices (the engine scores the prompt
+once and its forks share it), so what they become is built once per prompt: the
+``prompt_logprobs`` entries encoded once (a ``msgspec.Raw`` every choice carries), the
+echoed prompt's ``logprobs`` once (each choice appends its own tokens to a copy).
+A large answer is built in a worker thread (``response_size.off_loop``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,13 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from chatsvc.api.openai.completion_schemas import Completion, CompletionChoice, CompletionRequest
+from chatsvc.api.openai import response_size
+from chatsvc.api.openai.completion_schemas import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+)
 from chatsvc.api.openai.logprob_views import (
     CompletionLogprobsBuilder,
     prompt_logprob_dicts,
@@ -37,8 +49,9 @@ ENDPOINT = "completions"
 class CompletionOutput:
     """One completions request's engine requests, and how their output becomes choices."""
 
-    def __init__(self, services, data: CompletionRequest, prompts: list, requests):
-        """``prompts[i]`` (a ``completions.Prompt``) was sent as ``requests[i]``."""
+    def __init__(self, services, data: CompletionRequest, prompts: list, requests, estimate: int):
+        """``prompts[i]`` (a ``completions.Prompt``) was sent as ``requests[i]``; the
+        answer is estimated at ``estimate`` bytes (``response_size``)."""
         self.services = services
         self.data = data
         self.prompts = prompts
@@ -54,6 +67,10 @@ class CompletionOutput:
         self.builders = [
             CompletionLogprobsBuilder(self.texts) for _ in range(len(prompts) * self.n)
         ]
+        self.estimate = estimate
+        # Per prompt index, built by the first choice that needs it.
+        self._prompt_fragments: dict[int, msgspec.Raw] = {}
+        self._echo_logprobs: dict[int, tuple[CompletionLogprobs, int]] = {}
 
     def _echo_text(self, index: int) -> str:
         prompt = self.prompts[index]
@@ -74,6 +91,12 @@ class CompletionOutput:
                 raise ServiceUnavailableError("the generation was aborted")
             record_finished(self.services, ENDPOINT, request.labels, samples)
 
+    async def encoded_response(self, results: list[list[SampleResult]]) -> bytes:
+        """The answer's JSON, built and encoded off the event loop when it is large."""
+        return await response_size.off_loop(
+            lambda: response_size.encode_answer(self.response(results)), self.estimate
+        )
+
     def response(self, results: list[list[SampleResult]]) -> Completion:
         choices = []
         for p, samples in enumerate(results):
@@ -86,7 +109,7 @@ class CompletionOutput:
                         text=text + sample.text,
                         logprobs=logprobs,
                         finish_reason=sample.finish_reason,
-                        prompt_logprobs=self._prompt_entries(sample),
+                        prompt_logprobs=self._prompt_entries(p, sample),
                     )
                 )
         return Completion(
@@ -99,16 +122,34 @@ class CompletionOutput:
         if not self.wants_logprobs:
             return echo, None
         builder = self.builders[index]
-        entries, ids = list(scores), None
-        if echo and sample.prompt_logprobs is not None:
-            entries = [*sample.prompt_logprobs, *entries]
-            ids = [*self.prompts[p].token_ids, *(s.token_id for s in scores)]
-        return echo, builder.build(entries, ids)
+        if not (echo and sample.prompt_logprobs is not None):
+            return echo, builder.build(scores)
+        prompt, end = self._echo_prefix(p, sample.prompt_logprobs)
+        builder.offset = end
+        own = builder.build(scores)
+        return echo, CompletionLogprobs(
+            tokens=prompt.tokens + own.tokens,
+            token_logprobs=prompt.token_logprobs + own.token_logprobs,
+            top_logprobs=prompt.top_logprobs + own.top_logprobs,
+            text_offset=prompt.text_offset + own.text_offset,
+        )
 
-    def _prompt_entries(self, sample):
+    def _echo_prefix(self, p: int, scores) -> tuple[CompletionLogprobs, int]:
+        """Prompt p's echoed ``logprobs``, and the text offset its choices go on from."""
+        if p not in self._echo_logprobs:
+            builder = CompletionLogprobsBuilder(self.texts)
+            built = builder.build(scores, self.prompts[p].token_ids)
+            self._echo_logprobs[p] = built, builder.offset
+        return self._echo_logprobs[p]
+
+    def _prompt_entries(self, p: int, sample) -> msgspec.Raw | None:
+        """Prompt p's ``prompt_logprobs``, encoded once for all its choices."""
         if not self.wants_prompt_logprobs or sample.prompt_logprobs is None:
             return None
-        return prompt_logprob_dicts(self.texts, sample.prompt_logprobs)
+        if p not in self._prompt_fragments:
+            entries = prompt_logprob_dicts(self.texts, sample.prompt_logprobs)
+            self._prompt_fragments[p] = msgspec.Raw(msgspec.json.encode(entries))
+        return self._prompt_fragments[p]
 
     def _usage(self) -> CompletionUsage:
         prompt = cached = completion = 0
@@ -125,35 +166,46 @@ class CompletionOutput:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
-    async def chunks(self, slot: StreamSlot) -> AsyncIterator[str]:
-        def chunk(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> str:
-            body = Completion(
-                id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-            )
-            return msgspec.json.encode(body).decode()
+    def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> str:
+        body = Completion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return response_size.encode_answer(body).decode()
 
+    def _delta_chunk(self, p: int, delta, first: bool) -> str | None:
+        """The chunk of one delta of prompt p (None: it carries nothing to send)."""
+        sample = self.samples[p][delta.index]
+        index = p * self.n + delta.index
+        text, logprobs = self._choice_parts(index, p, sample, delta.logprobs or (), first)
+        if not (text or delta.text or delta.finish_reason or logprobs):
+            return None
+        choice = CompletionChoice(
+            index=index,
+            text=text + delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            prompt_logprobs=self._prompt_entries(p, sample) if first else None,
+        )
+        return self._chunk([choice])
+
+    async def chunks(self, slot: StreamSlot) -> AsyncIterator[str]:
         started: set[int] = set()
         try:
             async for p, delta in self._deltas():
-                sample = self.samples[p][delta.index]
-                sample.add(delta)
+                self.samples[p][delta.index].add(delta)
                 index = p * self.n + delta.index
                 first = index not in started
                 started.add(index)
-                text, logprobs = self._choice_parts(index, p, sample, delta.logprobs or (), first)
-                if not (text or delta.text or delta.finish_reason or logprobs):
-                    continue
-                choice = CompletionChoice(
-                    index=index,
-                    text=text + delta.text,
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                    prompt_logprobs=self._prompt_entries(sample) if first else None,
+                # Only a choice's first chunk carries its prompt's scores (the weight).
+                chunk = await response_size.off_loop(
+                    lambda p=p, delta=delta, first=first: self._delta_chunk(p, delta, first),
+                    self.estimate if first else 0,
                 )
-                yield chunk([choice])
+                if chunk is not None:
+                    yield chunk
             self._finish()
             if self.data.include_usage:
-                yield chunk([], usage=self._usage())
+                yield self._chunk([], usage=self._usage())
             yield "[DONE]"
         except ApiError as exc:
             yield msgspec.json.encode(error_body(exc.error_type, exc.message)).decode()

@@ -44,6 +44,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True, omit_defaults=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # The server sends a prompt's entries as one msgspec.Raw of this list, encoded once
+    # and shared by the prompt's n choices (completion_output); the JSON is the same.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 

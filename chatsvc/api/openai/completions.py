@@ -19,12 +19,13 @@ import functools
 
 import anyio
 import msgspec
-from litestar import Controller, Response, post
+from litestar import Controller, MediaType, Response, post
 from litestar.background_tasks import BackgroundTask
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 
+from chatsvc.api.openai import response_size
 from chatsvc.api.openai.completion_output import CompletionOutput
 from chatsvc.api.openai.completion_schemas import Completion, CompletionRequest
 from chatsvc.api.openai.models import check_model
@@ -75,15 +76,19 @@ class CompletionsController(Controller):
         ending with ``data: [DONE]``; usage in a last chunk with
         ``stream_options.include_usage``."""
         prompts, requests = await _build_requests(services, tenant, data)
+        estimate = response_size.completion_bytes(
+            requests, data.echo, data.logprobs, data.prompt_logprobs, data.stream
+        )
+        response_size.check_response_bytes(estimate, services.settings.limits.max_response_bytes)
         slot = StreamSlot(services, tenant.id)
-        stream = CompletionOutput(services, data, prompts, requests)
+        stream = CompletionOutput(services, data, prompts, requests, estimate)
         if data.stream:
             return ServerSentEvent(stream.chunks(slot), background=BackgroundTask(_release, slot))
         try:
             results = await stream.collect()
         finally:
             slot.release()
-        return Response(stream.response(results))
+        return Response(await stream.encoded_response(results), media_type=MediaType.JSON)
 
 
 async def _release(slot: StreamSlot) -> None:
