@@ -23,6 +23,14 @@ class InvalidInputTypeError(InvalidInputError, TypeError):
     """An argument has the wrong type."""
 
 
+class MalformedIdError(InvalidInputError):
+    """An id does not have the shape of any id, so it names nothing.
+
+    Callers may answer it as they answer an unknown id (404); every other
+    ``InvalidInputError`` is bad input of another kind (400) and must not be.
+    """
+
+
 class StoreUnavailableError(StoreError):
     """Redis could not be reached or did not answer within the socket timeout."""
 

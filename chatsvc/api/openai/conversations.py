@@ -31,7 +31,6 @@ from chatsvc.api.shared.deps import ServicesDep, TenantDep
 from chatsvc.api.shared.errors import (
     InvalidRequestError,
     NotFoundError,
-    RateLimitError,
     documented_errors,
 )
 from chatsvc.api.shared.rendering import check_text
@@ -68,12 +67,16 @@ class ConversationController(Controller):
         self, data: JSONBody[CreateConversation], services: ServicesDep, tenant: TenantDep
     ) -> ConversationObject:
         records = _records(services, data.items or [])
-        limit = services.settings.limits.max_sessions_per_tenant
-        if await services.store.sessions.count(tenant.id) >= limit:
-            raise RateLimitError(f"this tenant already has {limit} sessions; delete some first")
         try:
             session = await services.store.sessions.create(
-                tenant.id, None, None, None, data.metadata, messages=records, kind="conversation"
+                tenant.id,
+                None,
+                None,
+                None,
+                data.metadata,
+                messages=records,
+                kind="conversation",
+                max_sessions=services.settings.limits.max_sessions_per_tenant,
             )
         except InvalidInputError as exc:
             raise InvalidRequestError(str(exc)) from None

@@ -16,6 +16,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.types import ExceptionHandlersMap
 
 from chatsvc.store import SessionBusyError, StoreUnavailableError
+from chatsvc.store.errors import InvalidInputError, LimitExceededError
 from chatsvc.store.errors import NotFoundError as StoreNotFoundError
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,17 @@ def _store_not_found(_: Request, exc: StoreNotFoundError) -> Response:
     return _json(404, "not_found_error", "not found")
 
 
+def _store_invalid_input(_: Request, exc: InvalidInputError) -> Response:
+    # The store checks its arguments before it reads or writes, and its message
+    # names the field for the client (a malformed id a handler did not turn into
+    # 404 first lands here too, as bad input).
+    return _json(400, "invalid_request_error", str(exc))
+
+
+def _store_limit(_: Request, exc: LimitExceededError) -> Response:
+    return _json(429, "rate_limit_error", f"{exc}; delete some first")
+
+
 def _store_unavailable(request: Request, exc: StoreUnavailableError) -> Response:
     log_store_unavailable(request, exc)
     return _json(503, "store_unavailable", STORE_UNAVAILABLE_MESSAGE)
@@ -188,6 +200,8 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     SessionBusyError: _session_busy,
     StoreUnavailableError: _store_unavailable,
     StoreNotFoundError: _store_not_found,
+    InvalidInputError: _store_invalid_input,
+    LimitExceededError: _store_limit,
     ValidationException: _validation,
     HTTPException: _http,
     UnicodeDecodeError: _undecodable,

@@ -13,6 +13,7 @@ from chatsvc.api.shared.errors import NotFoundError
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
 from chatsvc.store.branch_read import Branch
+from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
 
 UNKNOWN_SESSION = "no such session"
@@ -46,12 +47,16 @@ async def read_branch(
 async def locked_write(services: Services, tenant: TenantRecord, session_id: str, write):
     """Run ``write(lock, write_id)`` under the session's turn lock: 404 for an unknown
     session or message, 409 while a turn runs. The write id is fresh per request; a
-    resend of the same script after a lost reply carries it and is applied once."""
+    resend of the same script after a lost reply carries it and is applied once.
+
+    Only a malformed id is answered as unknown; any other bad input the write
+    refuses (metadata, say) goes on to the error handlers as 400, and a cap it
+    would pass as 429."""
     store = services.store
     try:
         async with store.sessions.turn_lock(tenant.id, session_id) as lock:
             return await write(lock, secrets.token_hex(16))
-    except InvalidInputError:  # a malformed session or message id names nothing
+    except MalformedIdError:  # a malformed session or message id names nothing
         raise NotFoundError(UNKNOWN_SESSION) from None
 
 
