@@ -7,6 +7,8 @@ import contextlib
 import json
 import socket
 import threading
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -52,6 +54,24 @@ def test_huge_body_is_413(server, raw_redis, acme, session_id):
         413,
         "request_too_large",
     )
+
+
+def test_a_body_sent_whole_before_the_answer_is_read_gets_its_413(server, raw_redis):
+    # urllib writes the whole body before it reads: a server that answers and
+    # closes with most of it unread resets the connection, and the client saw a
+    # broken pipe, not the 413.
+    big = b'{"metadata": {"k": "' + b"x" * (4 * 1024 * 1024) + b'"}}'
+    request = urllib.request.Request(
+        server.url + "/sessions",
+        data=big,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {ACME_KEY}"},
+    )
+    before = keyspace(raw_redis, server.prefix)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 413
+    assert json.loads(info.value.read())["error"]["type"] == "request_too_large"
+    assert keyspace(raw_redis, server.prefix) == before
 
 
 @pytest.mark.parametrize(
