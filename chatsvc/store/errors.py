@@ -35,6 +35,14 @@ class StoreUnavailableError(StoreError):
     """Redis could not be reached or did not answer within the socket timeout."""
 
 
+class UnconfirmedWriteError(StoreUnavailableError):
+    """A write (MULTI/EXEC or script) ran on the primary; too few replicas confirmed it in time.
+
+    Unlike the other outages, the write may well be stored (on the primary, and on
+    any replica that got it later): a caller must not be told it was not.
+    """
+
+
 class SessionBusyError(StoreError):
     """Another turn holds the session's turn lock (the API answers 409)."""
 
