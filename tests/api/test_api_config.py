@@ -120,12 +120,14 @@ def test_an_unknown_variable_is_warned_about_naming_the_closest_setting(caplog):
 
 
 def test_every_documented_variable_is_known():
-    # docs/api.md lists the variables; none of them may be warned about as unknown.
+    # docs/api.md's table lists the variables; none may be warned about as unknown.
     import re
     from pathlib import Path
 
     from chatsvc.config import known_variables
 
     doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
-    documented = set(re.findall(r"CHATSVC_[A-Z0-9_]*[A-Z0-9]", doc))
+    rows = "\n".join(line for line in doc.splitlines() if line.startswith("| `CHATSVC_"))
+    documented = set(re.findall(r"CHATSVC_[A-Z0-9_]*[A-Z0-9]", rows))
+    assert len(documented) >= 25
     assert documented - set(known_variables()) == set()
