@@ -38,6 +38,7 @@ from chatsvc.api.shared.session_kv import delete_session_and_kv, delete_with_kv
 from chatsvc.api.shared.store_access import get_session, locked_write, read_branch
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
+from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import MessageRecord, SessionRecord, SessionSummary, TenantRecord
 from chatsvc.store.tree import new_message_id
 
@@ -195,7 +196,7 @@ class ConversationController(Controller):
     ) -> Item:
         try:
             found = await services.store.tree.messages_by_id(tenant.id, conversation_id, [item_id])
-        except InvalidInputError:
+        except MalformedIdError:
             found = None
         if found is None:
             raise NotFoundError(UNKNOWN_CONVERSATION)

@@ -11,7 +11,6 @@ import secrets
 
 from chatsvc.api.shared.errors import NotFoundError
 from chatsvc.service import Services
-from chatsvc.store import InvalidInputError
 from chatsvc.store.branch_read import Branch
 from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
@@ -26,7 +25,7 @@ async def get_session(
 ) -> SessionRecord | None:
     try:
         return await services.store.sessions.get(tenant.id, session_id)
-    except InvalidInputError:  # a malformed id can name no session: same answer as an unknown one
+    except MalformedIdError:  # a malformed id can name no session: same answer as an unknown one
         return None
 
 
@@ -37,7 +36,7 @@ async def read_branch(
     the message is unknown (or another tenant's: the same answer)."""
     try:
         branch = await services.store.tree.branch(tenant.id, session_id, leaf_id)
-    except InvalidInputError:  # a malformed id names nothing
+    except MalformedIdError:  # a malformed id names nothing
         branch = None
     if branch is None:
         raise NotFoundError(UNKNOWN_SESSION if leaf_id is None else UNKNOWN_MESSAGE)
@@ -66,7 +65,7 @@ async def visible_prompt(
     """The tenant's own or a shared prompt by id; 404 for any other id, malformed ones too."""
     try:
         prompt = await services.store.prompts.get(tenant.id, prompt_id)
-    except InvalidInputError:
+    except MalformedIdError:
         prompt = None
     if prompt is None:
         raise NotFoundError(UNKNOWN_PROMPT)
