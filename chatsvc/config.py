@@ -8,11 +8,13 @@ with the rest and handed down as ``Settings.engine``.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,13 @@ from chatsvc import paths
 from chatsvc.engine.config import EngineConfig
 from chatsvc.store.validate import MAX_NAME_CHARS, MIN_API_KEY_CHARS
 
+log = logging.getLogger(__name__)
+
 ENV_PREFIX = "CHATSVC_"
 LOCAL_TENANT = "local"
+# Variables of ours read outside ``Settings.from_env``: the chat client's key, the
+# kernels' backend, ./dev's torch pin, the fuzz tests' example count.
+_OTHER_VARIABLES = ("API_KEY", "KERNEL_BACKEND", "TORCH_VERSION", "FUZZ_EXAMPLES")
 # The store's key names allow only these characters.
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # A replica id is a metrics label value and a log field: short and plain.
@@ -184,6 +191,7 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Read and validate ``CHATSVC_*`` variables; unknown values raise SettingsError."""
         env = os.environ if environ is None else environ
+        warn_unknown_variables(env)
 
         def get(name: str) -> str | None:
             value = env.get(ENV_PREFIX + name)
@@ -221,6 +229,29 @@ class Settings:
             replica_id=get("REPLICA_ID"),
             engine=engine,
         ).validate()
+
+
+def known_variables() -> tuple[str, ...]:
+    """Every ``CHATSVC_*`` variable chatsvc reads (docs/api.md lists them)."""
+    names = [f.name for f in fields(Settings) if f.name not in ("limits", "engine")]
+    names += [f.name for f in fields(Limits)] + [f.name for f in fields(EngineConfig)]
+    names += [name.lower() for name in _OTHER_VARIABLES]
+    return tuple(sorted({ENV_PREFIX + name.upper() for name in names}))
+
+
+def warn_unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """Log a warning for each ``CHATSVC_*`` variable chatsvc does not read, naming the
+    closest known one: a misspelt limit would otherwise keep its default unnoticed.
+    Returns the unknown names."""
+    known = known_variables()
+    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known)
+    # Compared without the prefix, which every name shares and would make any two alike.
+    suffixes = [name.removeprefix(ENV_PREFIX) for name in known]
+    for name in unknown:
+        closest = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), suffixes, n=1)
+        hint = f"; did you mean {ENV_PREFIX}{closest[0]}?" if closest else ""
+        log.warning("ignoring unknown setting %s%s", name, hint)
+    return unknown
 
 
 def parse_api_keys(spec: str) -> tuple[tuple[str, str], ...]:

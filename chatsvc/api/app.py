@@ -30,6 +30,7 @@ from chatsvc.api.openai.models import ModelsController
 from chatsvc.api.openai.responses import ResponsesController
 from chatsvc.api.openai.tokenize import TokenizeController
 from chatsvc.api.shared.auth import provide_tenant
+from chatsvc.api.shared.body_limit import body_limit_middleware
 from chatsvc.api.shared.body_timeout import body_timeout_middleware
 from chatsvc.api.shared.content_type import json_only_middleware
 from chatsvc.api.shared.errors import EXCEPTION_HANDLERS
@@ -76,11 +77,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
         },
         exception_handlers=EXCEPTION_HANDLERS,
         # Outermost first: the request id is set before anything can log; a foreign
-        # Host is refused before any other check looks at the request.
+        # Host is refused before any other check looks at the request; an oversized
+        # body is drained under the body deadline.
         middleware=[
             RequestIdMiddleware,
             allowed_hosts_middleware(settings.host_allow_list()),
             body_timeout_middleware(settings.limits.body_read_timeout_s),
+            body_limit_middleware(settings.limits.max_body_bytes),
             json_only_middleware,
         ],
         lifespan=[lifespan],

@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from chatsvc.protocol import SamplingDefaults
+from chatsvc.protocol.requests import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 log = logging.getLogger(__name__)
 
@@ -64,4 +65,5 @@ def _valid(name: str, value: object) -> bool:
         return float(value).is_integer() and value >= 0
     if name == "min_p":
         return 0.0 <= value <= 1.0
-    return 0.0 < value <= 2.0  # repetition_penalty, the range requests may use
+    # repetition_penalty, the range requests may use
+    return MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY

@@ -27,6 +27,11 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 2.0
+# A seen token's positive logit is divided by the penalty: below about 1e-37
+# the quotient overflows fp32 to inf, and the max-subtraction before sampling
+# turns inf - inf into NaN. At 0.01 a logit stays within 100x of itself, and a
+# penalty that small already makes a seen token all but certain.
+MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 
@@ -159,10 +164,11 @@ class SamplingParams:
             raise RequestValidationError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if (
             not _is_number(self.repetition_penalty)
-            or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+            or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
         ):
             raise RequestValidationError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 = off), "
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}] (1 = off), "
                 f"got {self.repetition_penalty!r}"
             )
         for name in ("frequency_penalty", "presence_penalty"):

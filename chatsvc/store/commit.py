@@ -46,7 +46,7 @@ from chatsvc.store.keys import Keys
 # a time, under the turn lock) could have landed after it.
 REMEMBERED_COMMITS = 16
 
-Outcome = Literal["ok", "applied", "not_found", "lock_lost", "conflict"]
+Outcome = Literal["ok", "applied", "not_found", "lock_lost", "conflict", "limit"]
 
 # Redis reads a script's ARGV into Lua's stack; sets and deletes go in chunks
 # this size so no single call passes Lua's argument limit.
@@ -145,9 +145,13 @@ return 'ok'
 
 # Session ids are 128 random bits made by the store, so a summary already
 # under the new id can only be this very create, landed before its reply was lost.
+# The cap on the tenant's sessions is checked here, in the same atomic step as
+# the write: counted first and created after, a burst of creates would all see
+# room and pass it together.
 # KEYS: summary, tokens, nodes, children, path, responses, index
-# ARGV: summary, tokens, session id, score, ttl ms ('' = none), then counted
-#       lists: node sets (pairs), child sets (pairs), path, response sets (pairs).
+# ARGV: summary, tokens, session id, score, ttl ms ('' = none), the most sessions
+#       the index may hold ('' = no cap), then counted lists: node sets (pairs),
+#       child sets (pairs), path, response sets (pairs).
 _CREATE = (
     "#!lua\n"
     + _LUA_HELPERS
@@ -155,7 +159,10 @@ _CREATE = (
 if redis.call('exists', KEYS[1]) == 1 then
     return 'applied'
 end
-local i = 6
+if ARGV[6] ~= '' and redis.call('zcard', KEYS[7]) >= tonumber(ARGV[6]) then
+    return 'limit'
+end
+local i = 7
 local node_sets, child_sets, path, resp_sets
 node_sets, i = take_pairs(ARGV, i)
 child_sets, i = take_pairs(ARGV, i)
@@ -274,14 +281,17 @@ class CommitScripts:
         session_id: str,
         score: float,
         ttl_ms: int | None,
+        max_sessions: int | None = None,
     ) -> Outcome:
-        """Write a new session unless it exists: "ok", or "applied" for a resend."""
+        """Write a new session unless it exists: "ok", or "applied" for a resend;
+        "limit" (nothing written) when the tenant's index already holds ``max_sessions``."""
         args = [
             new.summary,
             new.tokens,
             session_id,
             repr(score),
             "" if ttl_ms is None else ttl_ms,
+            "" if max_sessions is None else max_sessions,
             *_counted_pairs(new.node_sets),
             *_counted_pairs(new.child_sets),
             *_counted(new.path),
@@ -332,6 +342,6 @@ class CommitScripts:
 
 def _outcome(reply: bytes | str) -> Outcome:
     outcome = reply.decode() if isinstance(reply, bytes) else reply
-    if outcome not in ("ok", "applied", "not_found", "lock_lost", "conflict"):
+    if outcome not in ("ok", "applied", "not_found", "lock_lost", "conflict", "limit"):
         raise RuntimeError(f"unexpected reply from a commit script: {reply!r}")
     return outcome

@@ -18,9 +18,11 @@ One data dir serves one server: an exclusive ``flock`` on ``data_dir/chatsvc.loc
 is held for the server's lifetime, so a second service pointed at the same dir
 fails at once with the holder's pid instead of corrupting the AOF. The kernel
 drops the lock once both this process and the server (which inherits it) are
-gone, so a crash never leaves a stale lock. A server whose service died is
-stopped cleanly by the next start on that dir (``_stop_orphan``); started from
-the main thread, it is also told to exit (PR_SET_PDEATHSIG) when the service dies.
+gone, so a crash never leaves a stale lock. On Linux the server is told to
+exit (PR_SET_PDEATHSIG, SIGTERM: it saves first) when the service dies, a
+SIGKILL included, from whichever thread it was started (``_Keeper``). A server
+that outlived its service all the same (another OS) is stopped cleanly by the
+next start on that dir (``_stop_orphan``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -65,12 +68,45 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _on_main_thread() -> bool:
-    # PDEATHSIG fires when the *thread* that started the child exits; from a
-    # worker thread (anyio.to_thread) that would stop the server when the pool
-    # retires the thread, so it is used from the main thread only. Orphans left
-    # otherwise are cleaned up by the next start (see _stop_orphan).
-    return threading.current_thread() is threading.main_thread()
+class _Keeper(threading.Thread):
+    """The thread that starts the server and lives exactly as long as it should.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the
+    process: a server started from a pool's worker thread (anyio.to_thread) would
+    be stopped when the pool retires that thread. So the fork happens here, in a
+    daemon thread that waits until the server has exited; the signal then fires
+    only when the whole service dies (a SIGKILL included), or at its exit.
+    """
+
+    def __init__(self, start: Callable[[], subprocess.Popen[bytes]]) -> None:
+        super().__init__(name="embedded-valkey-keeper", daemon=True)
+        self._start = start
+        self._spawned = threading.Event()
+        self._released = threading.Event()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.process = self._start()
+        except BaseException as exc:  # handed to the caller of spawn()
+            self.error = exc
+            return
+        finally:
+            self._spawned.set()
+        self._released.wait()
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        self.start()
+        self._spawned.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.process is not None
+        return self.process
+
+    def release(self) -> None:
+        """Let the thread end: the server has exited (or is no longer ours to watch)."""
+        self._released.set()
 
 
 def _alive(pid: int) -> bool:
@@ -138,6 +174,7 @@ class EmbeddedRedis:
         self.unix_socket: Path | None = None  # chosen on the first start
         self.appendfsync = appendfsync
         self._process: subprocess.Popen[bytes] | None = None
+        self._keeper: _Keeper | None = None
         self._lock_fd: int | None = None
 
     @property
@@ -223,21 +260,25 @@ class EmbeddedRedis:
         try:
             if self.unix_socket is None:
                 self.unix_socket = socket_path(self.data_dir, self._explicit_socket)
-            self._process = subprocess.Popen(
-                self._command_line(),
-                cwd=self.data_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                # Whatever the server creates (AOF, RDB, log, socket) starts out
-                # owner-only; no window in which another user could open it.
-                umask=0o077,
-                start_new_session=True,  # a Ctrl-C meant for us must not kill it mid-write
-                preexec_fn=_die_with_parent if _on_main_thread() else None,
-                # The child inherits the data-dir lock: even if it outlived us,
-                # no second server could open the same AOF.
-                pass_fds=(self._lock_fd,),
+            command = self._command_line()
+            self._keeper = _Keeper(
+                lambda: subprocess.Popen(
+                    command,
+                    cwd=self.data_dir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    # Whatever the server creates (AOF, RDB, log, socket) starts out
+                    # owner-only; no window in which another user could open it.
+                    umask=0o077,
+                    start_new_session=True,  # a Ctrl-C meant for us must not kill it mid-write
+                    preexec_fn=_die_with_parent,
+                    # The child inherits the data-dir lock: even if it outlived us,
+                    # no second server could open the same AOF.
+                    pass_fds=(self._lock_fd,),
+                )
             )
+            self._process = self._keeper.spawn()
             self._record_server_pid()
             self._wait_ready(timeout_s)
         except BaseException:
@@ -286,6 +327,7 @@ class EmbeddedRedis:
                     self._kill()
         finally:
             self._process = None
+            self._release_keeper()
             self._drop_dir_lock()
 
     def kill(self) -> None:
@@ -299,6 +341,12 @@ class EmbeddedRedis:
                 self._process.kill()
                 self._process.wait()
             self._process = None
+        self._release_keeper()
+
+    def _release_keeper(self) -> None:
+        if self._keeper is not None:
+            self._keeper.release()
+            self._keeper = None
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -23,8 +23,24 @@ class InvalidInputTypeError(InvalidInputError, TypeError):
     """An argument has the wrong type."""
 
 
+class MalformedIdError(InvalidInputError):
+    """An id does not have the shape of any id, so it names nothing.
+
+    Callers may answer it as they answer an unknown id (404); every other
+    ``InvalidInputError`` is bad input of another kind (400) and must not be.
+    """
+
+
 class StoreUnavailableError(StoreError):
     """Redis could not be reached or did not answer within the socket timeout."""
+
+
+class UnconfirmedWriteError(StoreUnavailableError):
+    """A write (MULTI/EXEC or script) ran on the primary; too few replicas confirmed it in time.
+
+    Unlike the other outages, the write may well be stored (on the primary, and on
+    any replica that got it later): a caller must not be told it was not.
+    """
 
 
 class SessionBusyError(StoreError):

@@ -19,9 +19,12 @@ done only once that many replicas hold it; a transaction that only reads skips
 the wait (a read must not fail because a replica is down). When
 fewer confirm in time, the store raises ``UnconfirmedWriteError`` (a
 ``StoreUnavailableError``, so the API answers 503): the write may exist on the
-primary, but it was never acknowledged. ``wait_replicas=0`` turns the wait off
-(faster, and writes go on while every replica is down, at the price of the
-loss window above).
+primary, but it was never acknowledged, and the API says so (it may be stored:
+read it back before sending it again). A resend of the same write (same write
+or turn id, as redis-py's retry after a lost reply) is applied once; a client's
+new request is a new write, so it is the answer that must not claim "not
+stored". ``wait_replicas=0`` turns the wait off (faster, and writes go on while
+every replica is down, at the price of the loss window above).
 """
 
 from __future__ import annotations
@@ -36,16 +39,12 @@ import redis.exceptions as rexc
 from redis.asyncio.client import Pipeline
 from redis.asyncio.sentinel import Sentinel
 
-from chatsvc.store.errors import StoreUnavailableError
+from chatsvc.store.errors import UnconfirmedWriteError
 
 SCHEME = "redis+sentinel"
 DEFAULT_SENTINEL_PORT = 26379
 DEFAULT_WAIT_REPLICAS = 1
 DEFAULT_WAIT_TIMEOUT_MS = 500
-
-
-class UnconfirmedWriteError(StoreUnavailableError):
-    """A write (MULTI/EXEC or script) ran on the primary; too few replicas confirmed it in time."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from chatsvc.store.commit import NewSession, SessionKeys
 from chatsvc.store.connection import is_transport_error
 from chatsvc.store.context import MAX_WATCH_RETRIES, StoreContext
 from chatsvc.store.errors import (
+    LimitExceededError,
     NotFoundError,
     SessionBusyError,
     StoreError,
@@ -81,6 +82,7 @@ class Sessions:
         kind: str = "session",
         response: ResponseRecord | None = None,
         session_id: str | None = None,
+        max_sessions: int | None = None,
     ) -> SessionRecord:
         """Start a session for ``tenant_id``.
 
@@ -96,6 +98,11 @@ class Sessions:
         which API made the session; ``session_id`` is for callers that named the
         session before writing it (a response's id carries it). One atomic write;
         sent again after a lost reply, it creates nothing more.
+
+        ``max_sessions``: the most sessions the tenant may have (None: no cap); at
+        it, ``LimitExceededError`` and nothing is written. The count and the write
+        are one step, so concurrent creates cannot pass the cap together. Expired
+        sessions count until a listing prunes them (as in ``count``).
         """
         check_id("tenant", tenant_id)
         if kind not in SESSION_KINDS:
@@ -147,13 +154,16 @@ class Sessions:
             if system_prompt_id is not None:
                 if await self._prompts.get(tenant_id, system_prompt_id) is None:
                     raise NotFoundError(f"unknown system prompt {system_prompt_id!r}")
-            await self._ctx.scripts.create(
+            outcome = await self._ctx.scripts.create(
                 SessionKeys.of(self._ctx.keys, tenant_id, session.id),
                 new,
                 session_id=session.id,
                 score=created,
                 ttl_ms=self._ctx.ttl_ms(),
+                max_sessions=max_sessions,
             )
+        if outcome == "limit":
+            raise LimitExceededError(f"this tenant already has {max_sessions} sessions")
         return session
 
     async def get(self, tenant_id: str, session_id: str) -> SessionRecord | None:

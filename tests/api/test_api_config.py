@@ -106,3 +106,28 @@ def test_a_malformed_entry_is_named_by_position_not_echoed():
     with pytest.raises(SettingsError, match="entry 2 is not tenant:key") as raised:
         Settings.from_env({"CHATSVC_API_KEYS": "acme:key-123456789012,bare-secret-key-0001"})
     assert "bare-secret-key-0001" not in str(raised.value)
+
+
+def test_an_unknown_variable_is_warned_about_naming_the_closest_setting(caplog):
+    env = {"CHATSVC_MAX_TOKEN_CAP": "5", "CHATSVC_PORT": "9000", "CHATSVC_XYZZY": "1"}
+    with caplog.at_level("WARNING", logger="chatsvc.config"):
+        settings = Settings.from_env(env)
+    assert settings.port == 9000
+    warnings = [r.getMessage() for r in caplog.records if r.name == "chatsvc.config"]
+    assert len(warnings) == 2, warnings
+    assert "CHATSVC_MAX_TOKEN_CAP" in warnings[0] and "CHATSVC_MAX_TOKENS_CAP" in warnings[0]
+    assert "CHATSVC_XYZZY" in warnings[1] and "did you mean" not in warnings[1]
+
+
+def test_every_documented_variable_is_known():
+    # docs/api.md's table lists the variables; none may be warned about as unknown.
+    import re
+    from pathlib import Path
+
+    from chatsvc.config import known_variables
+
+    doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    rows = "\n".join(line for line in doc.splitlines() if line.startswith("| `CHATSVC_"))
+    documented = set(re.findall(r"CHATSVC_[A-Z0-9_]*[A-Z0-9]", rows))
+    assert len(documented) >= 25
+    assert documented - set(known_variables()) == set()

@@ -66,3 +66,31 @@ def test_a_chat_format_failure_that_is_not_bad_input_is_a_500(api, acme, monkeyp
         "/v1/chat/completions", json={**request, "messages": [{"role": "user", "content": "Hi"}]}
     )
     assert fine.status_code == 200, fine.text
+
+
+def test_a_turn_no_replica_confirmed_is_not_called_unstored(api, acme, monkeypatch):
+    # On Sentinel, WAIT can time out after the commit script ran: the turn is on the
+    # primary. "Not stored, try again" made clients store it twice.
+    from chatsvc.store.errors import UnconfirmedWriteError
+
+    branches = api.services.store.branches
+    real_commit = branches.commit_turn
+
+    async def commit_then_unconfirmed(*args, **kwargs):
+        await real_commit(*args, **kwargs)
+        raise UnconfirmedWriteError("only 0 of 1 replica(s) confirmed a write within 500 ms")
+
+    sid = new_session(acme)["id"]
+    monkeypatch.setattr(branches, "commit_turn", commit_then_unconfirmed)
+    body = {"content": unique("Hi."), "max_tokens": 2, "temperature": 0}
+    answer = acme.post(f"/sessions/{sid}/messages", json=body)
+    streamed = acme.post(f"/sessions/{sid}/messages", json={**body, "stream": True})
+    monkeypatch.undo()
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "store_write_unconfirmed" and "may be stored" in error["message"]
+    assert "event: error" in streamed.text and "store_write_unconfirmed" in streamed.text
+    assert "was not stored" not in answer.text + streamed.text
+    # Both turns are there, as the answers allowed.
+    messages = acme.get(f"/sessions/{sid}/messages").json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2

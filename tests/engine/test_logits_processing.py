@@ -129,6 +129,8 @@ def test_token_logprobs_are_log_softmax_with_rank_and_top():
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
         ({"repetition_penalty": 2.5}, "repetition_penalty"),
         ({"min_p": 1.5}, "min_p"),
         ({"logprobs": 21}, "logprobs"),

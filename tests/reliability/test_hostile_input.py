@@ -4,8 +4,11 @@ Redis byte-for-byte as it was; the per-tenant limits answer 429."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -51,6 +54,24 @@ def test_huge_body_is_413(server, raw_redis, acme, session_id):
         413,
         "request_too_large",
     )
+
+
+def test_a_body_sent_whole_before_the_answer_is_read_gets_its_413(server, raw_redis):
+    # urllib writes the whole body before it reads: a server that answers and
+    # closes with most of it unread resets the connection, and the client saw a
+    # broken pipe, not the 413.
+    big = b'{"metadata": {"k": "' + b"x" * (4 * 1024 * 1024) + b'"}}'
+    request = urllib.request.Request(
+        server.url + "/sessions",
+        data=big,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {ACME_KEY}"},
+    )
+    before = keyspace(raw_redis, server.prefix)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 413
+    assert json.loads(info.value.read())["error"]["type"] == "request_too_large"
+    assert keyspace(raw_redis, server.prefix) == before
 
 
 @pytest.mark.parametrize(
@@ -113,6 +134,82 @@ def test_bad_message_values_are_400(server, raw_redis, acme, session_id, options
     )
 
 
+TOO_MUCH_METADATA = {f"k{i}": "v" for i in range(65)}
+
+
+def _conversation(acme) -> str:
+    response = acme.post("/v1/conversations", json={})
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def _model(acme) -> str:
+    return acme.get("/v1/models").json()["data"][0]["id"]
+
+
+# Each endpoint that takes a value the store or the engine refuses: the refusal is
+# a 4xx with the field named, never a 500 (nor a 404 for a session that exists).
+# HUGE is sent as the JSON number 1e400, which decodes as inf; 1e-40 is a
+# subnormal whose reciprocal overflows fp32.
+HUGE = "<1e400>"
+HOSTILE_VALUES = {
+    "session-metadata": lambda acme: ("/sessions", {"metadata": TOO_MUCH_METADATA}),
+    "conversation-metadata": lambda acme: ("/v1/conversations", {"metadata": TOO_MUCH_METADATA}),
+    "conversation-update-metadata": lambda acme: (
+        f"/v1/conversations/{_conversation(acme)}",
+        {"metadata": TOO_MUCH_METADATA},
+    ),
+    "response-metadata": lambda acme: (
+        "/v1/responses",
+        {
+            "model": _model(acme),
+            "input": "hi",
+            "max_output_tokens": 2,
+            "metadata": TOO_MUCH_METADATA,
+        },
+    ),
+    "message-huge-temperature": lambda acme: (
+        f"/sessions/{new_session(acme)['id']}/messages",
+        {"content": "hi", "max_tokens": 2, "temperature": HUGE},
+    ),
+    "chat-tiny-repetition-penalty": lambda acme: (
+        "/v1/chat/completions",
+        {
+            "model": _model(acme),
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "temperature": 1.0,
+            "repetition_penalty": 1e-40,
+        },
+    ),
+    "chat-huge-top-p": lambda acme: (
+        "/v1/chat/completions",
+        {
+            "model": _model(acme),
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "top_p": HUGE,
+        },
+    ),
+    "completion-tiny-repetition-penalty": lambda acme: (
+        "/v1/completions",
+        {"model": _model(acme), "prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e-40},
+    ),
+    "completion-huge-max-tokens": lambda acme: (
+        "/v1/completions",
+        {"model": _model(acme), "prompt": "hi", "max_tokens": 10**400},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_VALUES))
+def test_hostile_values_are_400_at_every_endpoint(server, raw_redis, acme, case):
+    path, body = HOSTILE_VALUES[case](acme)
+    content = json.dumps(body).replace(f'"{HUGE}"', "1e400")
+    headers = {"Content-Type": "application/json"}
+    _rejected(server, raw_redis, lambda: acme.post(path, content=content, headers=headers), 400)
+
+
 def test_nul_and_control_text_is_served_or_refused_cleanly(server, raw_redis, acme, session_id):
     # Control characters inside real text are text: the turn runs and is stored whole.
     response = acme.post(
@@ -152,10 +249,19 @@ def _read_all(sock: socket.socket, into: list[bytes]) -> None:
         into.append(chunk)
 
 
+MESSAGE_CAP = 40
+
+
 @pytest.fixture(scope="module")
 def strict_server(redis_server):
-    """A server with a short body deadline, two streams per tenant and long answers."""
-    limits = Limits(body_read_timeout_s=2, max_streams_per_tenant=2, max_tokens_cap=512)
+    """A server with a short body deadline, two streams per tenant, long answers and
+    a small cap on a session's messages."""
+    limits = Limits(
+        body_read_timeout_s=2,
+        max_streams_per_tenant=2,
+        max_tokens_cap=512,
+        max_messages_per_session=MESSAGE_CAP,
+    )
     with start_server(redis_server.url, limits) as live:
         yield live
 
@@ -234,3 +340,15 @@ def test_sessions_per_tenant_limit_is_429(server, raw_redis, carol):
     first = carol.get("/sessions", params={"limit": 1}).json()["sessions"][0]["id"]
     assert carol.delete(f"/sessions/{first}").status_code == 204
     assert carol.post("/sessions", json={}).status_code == 201
+
+
+def test_adding_items_at_the_message_cap_is_429(strict_server, raw_redis):
+    items = [{"role": "user", "content": f"item {i}"} for i in range(MESSAGE_CAP // 2)]
+    with client(strict_server, ACME_KEY) as http:
+        created = http.post("/v1/conversations", json={"items": items})
+        assert created.status_code == 200, created.text
+        path = f"/v1/conversations/{created.json()['id']}/items"
+        assert http.post(path, json={"items": items}).status_code == 200
+        one = {"items": items[:1]}
+        body = _rejected(strict_server, raw_redis, lambda: http.post(path, json=one), 429)
+    assert "limit" in body["error"]["message"]

@@ -111,3 +111,18 @@ def test_every_redis_node_is_durable_and_replicas_follow_the_primary(compose):
         assert f"--replica-announce-ip {name}" in args
         if name != "redis-primary":
             assert "--replicaof redis-primary 6379" in args
+
+
+def test_the_redis_nodes_and_sentinels_run_the_valkey_the_tests_run(compose):
+    import subprocess
+
+    from chatsvc.store.embedded import server_binary
+
+    banner = subprocess.run([server_binary(), "--version"], capture_output=True, text=True)
+    tested = re.search(r"v=(\d+\.\d+\.\d+)", banner.stdout)[1]
+    nodes = {**_services(compose, "redis-"), **_services(compose, "sentinel-")}
+    assert len(nodes) >= 6
+    for name, service in nodes.items():
+        image, _, tag = service["image"].partition(":")
+        assert image == "valkey/valkey", (name, service["image"])
+        assert tag.split("-")[0] == tested, (name, service["image"], tested)

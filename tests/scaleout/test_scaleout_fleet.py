@@ -215,6 +215,15 @@ def test_a_moved_session_is_rebuilt_and_counted_as_an_affinity_miss(fleet):
 def test_the_fleet_view_sums_every_replica(fleet, capsys):
     from chatsvc.fleet_view import main
 
+    # Its own two moves (A -> B -> A), not those of another test: run alone, in
+    # another order (pytest-randomly) or on another worker (xdist), the misses an
+    # earlier test left were not there, and the view summed zeros.
+    a, b = fleet.replicas
+    with client(a.url) as on_a, client(b.url) as on_b:
+        sid = _new_session(on_a)
+        turn_ok(on_a, sid, _text("Name a city."))
+        turn_ok(on_b, sid, _text("Name a river."))
+        turn_ok(on_a, sid, _text("Name a hill."))
     urls = [r.url for r in fleet.replicas]
     assert main(["--json", "--admin-key", ADMIN_KEY, *urls]) == 0
     view = json.loads(capsys.readouterr().out)
@@ -226,7 +235,7 @@ def test_the_fleet_view_sums_every_replica(fleet, capsys):
     fleet_row = view["fleet"]
     for key in ("prompt_tokens", "cached_tokens", "history_turns", "affinity_misses"):
         assert fleet_row[key] == per["r1"][key] + per["r2"][key]
-    assert fleet_row["affinity_misses"] >= 2  # the moved session's two moves
+    assert fleet_row["affinity_misses"] >= 2  # this test's session's two moves
     assert fleet_row["hit_rate"] == fleet_row["cached_tokens"] / fleet_row["prompt_tokens"]
 
 

@@ -166,3 +166,18 @@ def test_a_stream_cut_by_its_backend_reaches_the_client_as_cut(pair):
             with pytest.raises(httpx.RemoteProtocolError):
                 for _ in response.iter_lines():
                     pass
+
+
+@pytest.mark.parametrize(
+    "path", ["/admin/cache", "/admin/system-prompts", "/admin", "/metrics", "/metrics?x=1"]
+)
+def test_admin_and_metrics_are_not_served_on_the_public_port(pair, path):
+    proxy, _, recorder = pair
+    with httpx.Client(base_url=proxy.url, timeout=30) as http:
+        response = http.get(path, headers={"Authorization": "Bearer an-admin-key"})
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+    assert recorder.where("GET", path) == []  # no replica saw it, nor the key
+    # Other paths that merely start alike still reach a replica.
+    with httpx.Client(base_url=proxy.url, timeout=30) as http:
+        assert http.get("/administrators").status_code == 200

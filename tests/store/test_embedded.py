@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,26 +129,58 @@ def _process_state(pid: int) -> str | None:
     return next(line.split()[1] for line in status.splitlines() if line.startswith("State:"))
 
 
-def test_orphan_of_a_killed_service_is_stopped_by_the_next_start(tmp_path):
-    # A service that started its server from a worker thread (as the API does
-    # through anyio.to_thread) and then died by SIGKILL leaves the server running.
-    script = f"""
+def _service_script(data_dir, *, parent_death_signal: bool) -> str:
+    """A service that starts its server from a worker thread (as the API does through
+    anyio.to_thread), writes a key, prints the server's pid and waits to be killed."""
+    return f"""
 import threading, time, redis
+import chatsvc.store.embedded as embedded
 from chatsvc.store.embedded import EmbeddedRedis
-server = EmbeddedRedis({str(tmp_path)!r})
+if not {parent_death_signal!r}:
+    embedded._die_with_parent = lambda: None  # as where there is no PR_SET_PDEATHSIG
+server = EmbeddedRedis({str(data_dir)!r})
 starter = threading.Thread(target=server.start)
 starter.start(); starter.join()
 redis.Redis.from_url(server.url).set("k", "acknowledged")
 print(server.pid, flush=True)
 time.sleep(120)
 """
+
+
+def test_the_server_of_a_killed_service_exits_with_it(tmp_path):
+    # Started from a thread that then ended, the server used to outlive a SIGKILLed
+    # service until the next start on its data dir.
+    script = _service_script(tmp_path, parent_death_signal=True)
     repo = Path(__file__).resolve().parents[2]
     service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=repo)
     server_pid = int(service.stdout.readline())
     try:
         service.kill()
         service.wait()
-        os.kill(server_pid, 0)  # the orphan outlived its thread and its service
+        deadline = time.monotonic() + 30  # a generous bound, not a speed target
+        while _process_state(server_pid) not in (None, "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _process_state(server_pid) in (None, "Z")
+        # It saved on its way out: the next start finds the acknowledged write.
+        with EmbeddedRedis(tmp_path) as server:
+            assert redis.Redis.from_url(server.url).get("k") == b"acknowledged"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+        service.stdout.close()
+
+
+def test_orphan_of_a_killed_service_is_stopped_by_the_next_start(tmp_path):
+    # Where the server cannot be told to die with its service, a SIGKILLed service
+    # leaves it running; the next start on the data dir stops it cleanly.
+    script = _service_script(tmp_path, parent_death_signal=False)
+    repo = Path(__file__).resolve().parents[2]
+    service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=repo)
+    server_pid = int(service.stdout.readline())
+    try:
+        service.kill()
+        service.wait()
+        os.kill(server_pid, 0)  # the orphan outlived its service
         with EmbeddedRedis(tmp_path) as server:
             assert server.pid != server_pid
             assert redis.Redis.from_url(server.url).get("k") == b"acknowledged"

@@ -194,3 +194,37 @@ async def test_a_page_ends_early_at_its_byte_budget_and_paging_sees_each_once(st
     assert [s.id for s in page] == [ids[-1]] and cursor is not None
     with pytest.raises(ValueError, match="max_bytes"):
         await store.sessions.list_page(tenant.id, max_bytes=0)
+
+
+async def test_concurrent_creates_never_pass_the_tenant_cap(store: Store):
+    # Counted first and created after, each of a burst saw room and all passed the cap.
+    from chatsvc.store.errors import LimitExceededError
+
+    tenant = await new_tenant(store)
+    cap = 5
+
+    async def create():
+        try:
+            await store.sessions.create(tenant.id, None, None, None, None, max_sessions=cap)
+        except LimitExceededError:
+            return False
+        return True
+
+    created = await asyncio.gather(*(create() for _ in range(12)))
+    assert sum(created) == cap
+    assert await store.sessions.count(tenant.id) == cap
+    page, _ = await store.sessions.list_page(tenant.id)
+    assert len(page) == cap
+
+
+async def test_only_a_malformed_id_is_a_malformed_id_error(store: Store):
+    # The API answers a malformed id as an unknown one (404) and other bad input as 400.
+    from chatsvc.store.errors import InvalidInputError, MalformedIdError
+
+    tenant = await new_tenant(store)
+    with pytest.raises(MalformedIdError):
+        await store.sessions.get(tenant.id, "not/an id")
+    too_many = {f"k{i}": "v" for i in range(65)}
+    with pytest.raises(InvalidInputError) as info:
+        await store.sessions.create(tenant.id, None, None, None, too_many)
+    assert not isinstance(info.value, MalformedIdError)

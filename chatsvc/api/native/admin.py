@@ -23,7 +23,7 @@ from chatsvc.api.shared.rendering import check_text, system_prefix_tokens
 from chatsvc.api.shared.store_access import UNKNOWN_PROMPT
 from chatsvc.metrics import CONTENT_TYPE
 from chatsvc.protocol import EngineClient, EngineStoppedError
-from chatsvc.store.errors import InvalidInputError, LimitExceededError
+from chatsvc.store.errors import InvalidInputError, LimitExceededError, MalformedIdError
 
 
 class AdminController(Controller):
@@ -115,7 +115,7 @@ class AdminController(Controller):
         of theirs hash its blocks privately. A tenant's private prompt answers 404."""
         try:
             deleted = await services.store.prompts.delete_shared(prompt_id)
-        except InvalidInputError:
+        except MalformedIdError:
             deleted = False
         if not deleted:
             raise NotFoundError(UNKNOWN_PROMPT)

@@ -29,12 +29,12 @@ from chatsvc.api.native.schemas import (
 from chatsvc.api.native.schemas import Usage as UsageView
 from chatsvc.api.shared.deps import ServicesDep, TenantDep
 from chatsvc.api.shared.errors import (
-    STORE_UNAVAILABLE_MESSAGE,
     ApiError,
     InvalidRequestError,
     documented_errors,
     error_body,
     log_store_unavailable,
+    store_failure,
 )
 from chatsvc.api.shared.openapi_streams import StreamingOperation
 from chatsvc.api.shared.rendering import check_text
@@ -168,9 +168,7 @@ async def _sse(events: AsyncIterator[str | StoredTurn]) -> AsyncIterator[ServerS
         yield ServerSentEventMessage(event="error", data=msgspec.json.encode(body).decode())
     except StoreUnavailableError as exc:
         log_store_unavailable(None, exc)
-        body = error_body(
-            "store_unavailable", f"the turn was not stored: {STORE_UNAVAILABLE_MESSAGE}"
-        )
+        body = error_body(*store_failure(exc, "the turn"))
         yield ServerSentEventMessage(event="error", data=msgspec.json.encode(body).decode())
     finally:
         await events.aclose()

@@ -10,7 +10,6 @@ from chatsvc.api.shared.deps import ServicesDep, TenantDep
 from chatsvc.api.shared.errors import (
     InvalidRequestError,
     NotFoundError,
-    RateLimitError,
     documented_errors,
 )
 from chatsvc.api.shared.rendering import check_text, system_prefix_tokens
@@ -66,12 +65,14 @@ class SessionController(Controller):
         elif data.system_prompt is not None:
             text = check_text(data.system_prompt, services, "system prompt")
             token_ids = await system_prefix_tokens(services, text)
-        limit = services.settings.limits.max_sessions_per_tenant
-        if await store.sessions.count(tenant.id) >= limit:
-            raise RateLimitError(f"this tenant already has {limit} sessions; delete some first")
         try:
             session = await store.sessions.create(
-                tenant.id, data.system_prompt_id, text, token_ids, data.metadata
+                tenant.id,
+                data.system_prompt_id,
+                text,
+                token_ids,
+                data.metadata,
+                max_sessions=services.settings.limits.max_sessions_per_tenant,
             )
         except InvalidInputError as exc:
             raise InvalidRequestError(str(exc)) from None

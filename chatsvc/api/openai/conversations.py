@@ -31,7 +31,6 @@ from chatsvc.api.shared.deps import ServicesDep, TenantDep
 from chatsvc.api.shared.errors import (
     InvalidRequestError,
     NotFoundError,
-    RateLimitError,
     documented_errors,
 )
 from chatsvc.api.shared.rendering import check_text
@@ -39,6 +38,7 @@ from chatsvc.api.shared.session_kv import delete_session_and_kv, delete_with_kv
 from chatsvc.api.shared.store_access import get_session, locked_write, read_branch
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
+from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import MessageRecord, SessionRecord, SessionSummary, TenantRecord
 from chatsvc.store.tree import new_message_id
 
@@ -68,12 +68,16 @@ class ConversationController(Controller):
         self, data: JSONBody[CreateConversation], services: ServicesDep, tenant: TenantDep
     ) -> ConversationObject:
         records = _records(services, data.items or [])
-        limit = services.settings.limits.max_sessions_per_tenant
-        if await services.store.sessions.count(tenant.id) >= limit:
-            raise RateLimitError(f"this tenant already has {limit} sessions; delete some first")
         try:
             session = await services.store.sessions.create(
-                tenant.id, None, None, None, data.metadata, messages=records, kind="conversation"
+                tenant.id,
+                None,
+                None,
+                None,
+                data.metadata,
+                messages=records,
+                kind="conversation",
+                max_sessions=services.settings.limits.max_sessions_per_tenant,
             )
         except InvalidInputError as exc:
             raise InvalidRequestError(str(exc)) from None
@@ -192,7 +196,7 @@ class ConversationController(Controller):
     ) -> Item:
         try:
             found = await services.store.tree.messages_by_id(tenant.id, conversation_id, [item_id])
-        except InvalidInputError:
+        except MalformedIdError:
             found = None
         if found is None:
             raise NotFoundError(UNKNOWN_CONVERSATION)

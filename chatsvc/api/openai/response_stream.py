@@ -25,7 +25,7 @@ from litestar.response import ServerSentEventMessage
 
 from chatsvc.api.openai.response_schemas import Item, OutputText, ResponseError
 from chatsvc.api.openai.response_views import ResponseMeta
-from chatsvc.api.shared.errors import STORE_UNAVAILABLE_MESSAGE, ApiError, log_store_unavailable
+from chatsvc.api.shared.errors import ApiError, log_store_unavailable, store_failure
 from chatsvc.api.turn.spec import StoredTurn
 from chatsvc.store import StoreUnavailableError
 
@@ -71,8 +71,8 @@ async def response_events(
             yield message
     except StoreUnavailableError as exc:
         log_store_unavailable(None, exc)
-        message = f"the response was not stored: {STORE_UNAVAILABLE_MESSAGE}"
-        for failed in _failed(event, meta, "store_unavailable", message):
+        code, message = store_failure(exc, "the response")
+        for failed in _failed(event, meta, code, message):
             yield failed
     finally:
         await turn_events.aclose()

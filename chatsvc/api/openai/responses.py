@@ -48,7 +48,7 @@ from chatsvc.api.shared.store_access import locked_write
 from chatsvc.api.turn.run import begin_turn, run_turn
 from chatsvc.api.turn.spec import StoredTurn, TurnSpec
 from chatsvc.service import Services
-from chatsvc.store import InvalidInputError
+from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import ResponseRecord, TenantRecord
 from chatsvc.store.responses import RESPONSE_ID_PREFIX, new_response_id, response_session
 from chatsvc.store.validate import check_metadata
@@ -172,7 +172,7 @@ class ResponsesController(Controller):
 async def _record(services: Services, tenant: TenantRecord, response_id: str) -> ResponseRecord:
     try:
         record = await services.store.responses.get(tenant.id, response_id)
-    except InvalidInputError:
+    except MalformedIdError:
         record = None
     if record is None:
         raise NotFoundError(UNKNOWN_RESPONSE)

@@ -16,6 +16,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.types import ExceptionHandlersMap
 
 from chatsvc.store import SessionBusyError, StoreUnavailableError
+from chatsvc.store.errors import InvalidInputError, LimitExceededError, UnconfirmedWriteError
 from chatsvc.store.errors import NotFoundError as StoreNotFoundError
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,27 @@ class InternalServerError(ApiError):
 # What a caller learns of a Redis outage. The exception's own text names the
 # server (host, port, socket path) and the driver's error; that is for the log.
 STORE_UNAVAILABLE_MESSAGE = "the session store is unavailable; try again later"
+# A write the primary applied but no replica confirmed in time (Sentinel's WAIT):
+# it may be stored, so "try again" alone would store a turn twice.
+UNCONFIRMED_WRITE_MESSAGE = (
+    "the session store applied this write but could not confirm it on a replica in "
+    "time: it may be stored; read the session back before sending it again"
+)
 
 
 def error_body(error_type: str, message: str) -> dict[str, dict[str, str]]:
     return {"error": {"type": error_type, "message": message}}
+
+
+def store_failure(exc: StoreUnavailableError, what: str) -> tuple[str, str]:
+    """(error type, message) telling a streaming client what a store failure means for
+    ``what`` (the turn, the response): not stored, or perhaps stored."""
+    if isinstance(exc, UnconfirmedWriteError):
+        return (
+            "store_write_unconfirmed",
+            f"{what} may have been stored: {UNCONFIRMED_WRITE_MESSAGE}",
+        )
+    return "store_unavailable", f"{what} was not stored: {STORE_UNAVAILABLE_MESSAGE}"
 
 
 def log_store_unavailable(request: Request | None, exc: StoreUnavailableError) -> None:
@@ -136,9 +154,25 @@ def _store_not_found(_: Request, exc: StoreNotFoundError) -> Response:
     return _json(404, "not_found_error", "not found")
 
 
+def _store_invalid_input(_: Request, exc: InvalidInputError) -> Response:
+    # The store checks its arguments before it reads or writes, and its message
+    # names the field for the client (a malformed id a handler did not turn into
+    # 404 first lands here too, as bad input).
+    return _json(400, "invalid_request_error", str(exc))
+
+
+def _store_limit(_: Request, exc: LimitExceededError) -> Response:
+    return _json(429, "rate_limit_error", f"{exc}; delete some first")
+
+
 def _store_unavailable(request: Request, exc: StoreUnavailableError) -> Response:
     log_store_unavailable(request, exc)
     return _json(503, "store_unavailable", STORE_UNAVAILABLE_MESSAGE)
+
+
+def _store_unconfirmed(request: Request, exc: UnconfirmedWriteError) -> Response:
+    log_store_unavailable(request, exc)
+    return _json(503, "store_write_unconfirmed", UNCONFIRMED_WRITE_MESSAGE)
 
 
 def _validation(_: Request, exc: ValidationException) -> Response:
@@ -187,7 +221,10 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     ApiError: _api_error,
     SessionBusyError: _session_busy,
     StoreUnavailableError: _store_unavailable,
+    UnconfirmedWriteError: _store_unconfirmed,
     StoreNotFoundError: _store_not_found,
+    InvalidInputError: _store_invalid_input,
+    LimitExceededError: _store_limit,
     ValidationException: _validation,
     HTTPException: _http,
     UnicodeDecodeError: _undecodable,

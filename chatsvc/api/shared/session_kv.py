@@ -22,7 +22,7 @@ from chatsvc.api.shared.rendering import namespace_for, shared_prefix_len
 from chatsvc.api.shared.store_access import get_session, locked_write
 from chatsvc.protocol import EngineStoppedError
 from chatsvc.service import Services
-from chatsvc.store import InvalidInputError
+from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import SessionRecord, TenantRecord
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ async def delete_session_and_kv(services: Services, tenant: TenantRecord, sessio
     keep = await shared_with_other_sessions(services, tenant, session.id, histories)
     try:
         deleted = await services.store.sessions.delete(tenant.id, session_id)
-    except InvalidInputError:
+    except MalformedIdError:
         deleted = False
     if deleted and services.engine_started:
         namespaces = await _namespaces(services, tenant, session, histories)

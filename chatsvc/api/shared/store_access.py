@@ -11,8 +11,8 @@ import secrets
 
 from chatsvc.api.shared.errors import NotFoundError
 from chatsvc.service import Services
-from chatsvc.store import InvalidInputError
 from chatsvc.store.branch_read import Branch
+from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
 
 UNKNOWN_SESSION = "no such session"
@@ -25,7 +25,7 @@ async def get_session(
 ) -> SessionRecord | None:
     try:
         return await services.store.sessions.get(tenant.id, session_id)
-    except InvalidInputError:  # a malformed id can name no session: same answer as an unknown one
+    except MalformedIdError:  # a malformed id can name no session: same answer as an unknown one
         return None
 
 
@@ -36,7 +36,7 @@ async def read_branch(
     the message is unknown (or another tenant's: the same answer)."""
     try:
         branch = await services.store.tree.branch(tenant.id, session_id, leaf_id)
-    except InvalidInputError:  # a malformed id names nothing
+    except MalformedIdError:  # a malformed id names nothing
         branch = None
     if branch is None:
         raise NotFoundError(UNKNOWN_SESSION if leaf_id is None else UNKNOWN_MESSAGE)
@@ -46,12 +46,16 @@ async def read_branch(
 async def locked_write(services: Services, tenant: TenantRecord, session_id: str, write):
     """Run ``write(lock, write_id)`` under the session's turn lock: 404 for an unknown
     session or message, 409 while a turn runs. The write id is fresh per request; a
-    resend of the same script after a lost reply carries it and is applied once."""
+    resend of the same script after a lost reply carries it and is applied once.
+
+    Only a malformed id is answered as unknown; any other bad input the write
+    refuses (metadata, say) goes on to the error handlers as 400, and a cap it
+    would pass as 429."""
     store = services.store
     try:
         async with store.sessions.turn_lock(tenant.id, session_id) as lock:
             return await write(lock, secrets.token_hex(16))
-    except InvalidInputError:  # a malformed session or message id names nothing
+    except MalformedIdError:  # a malformed session or message id names nothing
         raise NotFoundError(UNKNOWN_SESSION) from None
 
 
@@ -61,7 +65,7 @@ async def visible_prompt(
     """The tenant's own or a shared prompt by id; 404 for any other id, malformed ones too."""
     try:
         prompt = await services.store.prompts.get(tenant.id, prompt_id)
-    except InvalidInputError:
+    except MalformedIdError:
         prompt = None
     if prompt is None:
         raise NotFoundError(UNKNOWN_PROMPT)

@@ -59,7 +59,8 @@ async def commit_turn(
     lock: RedisLock | None,
 ) -> None:
     """Store the turn; 409 ``turn_lock_lost`` when the lock expired while it ran, 429
-    when the session's messages would pass their cap."""
+    when the session's messages (or a new session, the tenant's sessions) would pass
+    their cap."""
     store = services.store
     # Shielded so a disconnect arriving during the write cannot cut its round trip in
     # half; the write itself is all-or-nothing in Redis either way. The request id
@@ -84,6 +85,7 @@ async def commit_turn(
                     kind="response",
                     response=record,
                     session_id=turn.session_id,
+                    max_sessions=services.settings.limits.max_sessions_per_tenant,
                 )
             else:
                 await store.branches.commit_turn(
@@ -107,4 +109,5 @@ async def commit_turn(
             error_type="turn_lock_lost",
         ) from None
     except LimitExceededError as exc:
-        raise RateLimitError(f"{exc}; delete some of its branches first") from None
+        what = "sessions" if turn.new_session else "of its branches"
+        raise RateLimitError(f"{exc}; delete some {what} first") from None

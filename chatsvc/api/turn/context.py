@@ -14,8 +14,8 @@ from chatsvc.api.shared.errors import InvalidRequestError, NotFoundError, RateLi
 from chatsvc.api.shared.store_access import UNKNOWN_MESSAGE, UNKNOWN_SESSION
 from chatsvc.api.turn.spec import TurnSpec
 from chatsvc.service import Services
-from chatsvc.store import InvalidInputError
 from chatsvc.store.branch_read import Branch
+from chatsvc.store.errors import MalformedIdError
 from chatsvc.store.records import MessageRecord, TenantRecord
 from chatsvc.store.tree import branch_tokens
 
@@ -38,7 +38,7 @@ async def read_context(
     when there is nothing to regenerate."""
     try:
         branch = await services.store.tree.branch(tenant.id, session_id, spec.parent_id)
-    except InvalidInputError:  # a malformed id names no message
+    except MalformedIdError:  # a malformed id names no message
         raise NotFoundError(UNKNOWN_MESSAGE) from None
     if branch is None:
         raise NotFoundError(UNKNOWN_SESSION)
