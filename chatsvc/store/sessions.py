@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
-from chatsvc.store.commit import NewSession, SessionKeys
+from chatsvc.store.commit import TOTAL, NewSession, SessionKeys
 from chatsvc.store.connection import is_transport_error
 from chatsvc.store.context import MAX_WATCH_RETRIES, StoreContext
 from chatsvc.store.errors import (
@@ -51,6 +51,22 @@ from chatsvc.store.records import (
 from chatsvc.store.tenants import Tenants
 from chatsvc.store.tree import ROOT, branch_tokens, chain_children, link_chain
 
+# KEYS: the tenant's index, its bytes hash, then each session's summary key.
+# ARGV: each session's id. Sessions whose summary is there again are left alone.
+_FORGET_EXPIRED = f"""
+for k = 1, #ARGV do
+    if redis.call('exists', KEYS[k + 2]) == 0 then
+        redis.call('zrem', KEYS[1], ARGV[k])
+        local freed = tonumber(redis.call('hget', KEYS[2], ARGV[k]) or '0')
+        redis.call('hdel', KEYS[2], ARGV[k])
+        if freed ~= 0 then
+            redis.call('hincrby', KEYS[2], '{TOTAL}', -freed)
+        end
+    end
+end
+return 0
+"""
+
 
 def owned(raw: bytes | None, tenant_id: str) -> SessionSummary | None:
     """The summary stored as ``raw`` if ``tenant_id`` owns it; None for a missing or
@@ -68,6 +84,7 @@ class Sessions:
         self._ctx = context
         self._tenants = tenants
         self._prompts = prompts
+        self._forget_script = context.redis.register_script(_FORGET_EXPIRED)
 
     async def create(
         self,
@@ -95,7 +112,8 @@ class Sessions:
         stored with them); their ``token_ids`` continue the history. ``kind`` says
         which API made the session; ``session_id`` is for callers that named the
         session before writing it (a response's id carries it). One atomic write;
-        sent again after a lost reply, it creates nothing more.
+        sent again after a lost reply, it creates nothing more. ``StorageQuotaError``
+        (nothing written) if it would pass a byte quota.
         """
         check_id("tenant", tenant_id)
         if kind not in SESSION_KINDS:
@@ -147,13 +165,15 @@ class Sessions:
             if system_prompt_id is not None:
                 if await self._prompts.get(tenant_id, system_prompt_id) is None:
                     raise NotFoundError(f"unknown system prompt {system_prompt_id!r}")
-            await self._ctx.scripts.create(
+            outcome = await self._ctx.scripts.create(
                 SessionKeys.of(self._ctx.keys, tenant_id, session.id),
                 new,
                 session_id=session.id,
                 score=created,
                 ttl_ms=self._ctx.ttl_ms(),
             )
+        if outcome in ("session_quota", "tenant_quota"):
+            raise self._ctx.quota_error(outcome)
         return session
 
     async def get(self, tenant_id: str, session_id: str) -> SessionRecord | None:
@@ -219,8 +239,26 @@ class Sessions:
                 max_bytes=max_bytes,
             )
             if page.expired:
-                await self._ctx.redis.zrem(index, *page.expired)
+                await self._forget(tenant_id, page.expired)
         return page.summaries, page.next_cursor
+
+    async def _forget(self, tenant_id: str, session_ids: list[str]) -> None:
+        # Expired sessions leave their index entry and byte count behind (the tenant's
+        # keys do not expire); what was freed leaves the tenant's total with them.
+        keys = self._ctx.keys
+        summaries = [keys.session(sid) for sid in session_ids]
+        await self._forget_script(
+            keys=[keys.tenant_sessions(tenant_id), keys.tenant_bytes(tenant_id), *summaries],
+            args=session_ids,
+        )
+
+    async def bytes_used(self, tenant_id: str) -> int:
+        """The bytes the tenant's sessions store (expired ones included until a listing
+        prunes them): what ``max_tenant_bytes`` bounds."""
+        check_id("tenant", tenant_id)
+        with self._ctx.unavailable():
+            raw = await self._ctx.redis.hget(self._ctx.keys.tenant_bytes(tenant_id), TOTAL)
+        return int(raw or 0)
 
     async def count(self, tenant_id: str) -> int:
         """Size of the tenant's session index: an upper bound, as expired ids
@@ -230,7 +268,8 @@ class Sessions:
             return await self._ctx.redis.zcard(self._ctx.keys.tenant_sessions(tenant_id))
 
     async def delete(self, tenant_id: str, session_id: str) -> bool:
-        """Remove every key of the session and its index entry; False if not visible."""
+        """Remove every key of the session, its index entry and its byte count (off the
+        tenant's total); False if not visible."""
         check_id("tenant", tenant_id)
         check_id("session", session_id)
         keys = self._ctx.keys
@@ -238,12 +277,18 @@ class Sessions:
         with self._ctx.unavailable():
             for _ in range(MAX_WATCH_RETRIES):
                 async with self._ctx.redis.pipeline(transaction=True) as pipe:
+                    # Every write that changes the session's byte count rewrites its
+                    # summary, so watching the summary guards the count read here too.
                     await pipe.watch(key)
                     if owned(await pipe.get(key), tenant_id) is None:
                         return False
+                    counters = keys.tenant_bytes(tenant_id)
+                    freed = int(await pipe.hget(counters, session_id) or 0)
                     pipe.multi()
                     pipe.delete(*keys.session_keys(session_id))
                     pipe.zrem(keys.tenant_sessions(tenant_id), session_id)
+                    pipe.hdel(counters, session_id)
+                    pipe.hincrby(counters, TOTAL, -freed)
                     try:
                         await pipe.execute()
                         return True

@@ -163,7 +163,8 @@ class TreeWriter:
         names the write (default: fresh). Returns what ``plan`` promised, or None when
         an earlier send of this very write had already been applied. Raises
         ``NotFoundError`` (session not visible, or no message ``leaf``),
-        ``TurnLockLostError`` (nothing written), and whatever ``plan`` raises.
+        ``TurnLockLostError`` and ``StorageQuotaError`` (nothing written), and whatever
+        ``plan`` raises.
         """
         check_id("tenant", tenant_id)
         check_id("session", session_id)
@@ -197,6 +198,8 @@ class TreeWriter:
                     if planned.write.summary is None:
                         return None  # this write deletes the session: gone either way
                     raise NotFoundError(f"unknown session {session_id!r}")
+                if outcome in ("session_quota", "tenant_quota"):
+                    raise self._ctx.quota_error(outcome)
                 if outcome == "lock_lost":
                     raise TurnLockLostError(
                         f"the turn lock of session {session_id!r} expired and may have been "
