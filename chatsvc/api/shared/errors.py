@@ -15,7 +15,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.types import ExceptionHandlersMap
 
-from chatsvc.store import SessionBusyError, StoreUnavailableError
+from chatsvc.store import SessionBusyError, StorageQuotaError, StoreUnavailableError
 from chatsvc.store.errors import NotFoundError as StoreNotFoundError
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,11 @@ def _session_busy(_: Request, exc: SessionBusyError) -> Response:
     return _json(409, "session_busy", "another message of this session is still being generated")
 
 
+def _storage_quota(_: Request, exc: StorageQuotaError) -> Response:
+    # The store's message names the limit and holds no id.
+    return _json(429, "rate_limit_error", str(exc))
+
+
 def _store_not_found(_: Request, exc: StoreNotFoundError) -> Response:
     # The store's message names the id; the answer stays the same for every
     # unknown or foreign id so that ids leak nothing.
@@ -186,6 +191,7 @@ def _unexpected(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     ApiError: _api_error,
     SessionBusyError: _session_busy,
+    StorageQuotaError: _storage_quota,
     StoreUnavailableError: _store_unavailable,
     StoreNotFoundError: _store_not_found,
     ValidationException: _validation,

@@ -1,18 +1,21 @@
 """What the handlers of both APIs read from the store, and how they write a session.
 
-Reads: a session, a branch of it, a system prompt. Another tenant's record
-answers exactly like an unknown one (404), and so does a malformed id, which
-can name nothing. Writes to a session run under its turn lock (``locked_write``).
+Reads: a session, a branch of it, a page of its active branch, a system prompt.
+Another tenant's record answers exactly like an unknown one (404), and so does
+a malformed id, which can name nothing. Writes to a session run under its turn
+lock (``locked_write``).
 """
 
 from __future__ import annotations
 
 import secrets
 
-from chatsvc.api.shared.errors import NotFoundError
+from chatsvc.api.shared.errors import InvalidRequestError, NotFoundError
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
 from chatsvc.store.branch_read import Branch
+from chatsvc.store.keys import check_id
+from chatsvc.store.path_page import Order, PathPage
 from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
 
 UNKNOWN_SESSION = "no such session"
@@ -41,6 +44,32 @@ async def read_branch(
     if branch is None:
         raise NotFoundError(UNKNOWN_SESSION if leaf_id is None else UNKNOWN_MESSAGE)
     return branch
+
+
+async def read_page(
+    services: Services,
+    tenant: TenantRecord,
+    session_id: str,
+    *,
+    limit: int,
+    after: str | None,
+    order: Order,
+) -> PathPage:
+    """A page of the active branch, read by position in the store (only the page);
+    404 for an unknown session, 400 for an ``after`` that is not on the branch."""
+    try:
+        check_id("session", session_id)
+    except InvalidInputError:  # a malformed id names nothing
+        raise NotFoundError(UNKNOWN_SESSION) from None
+    try:
+        page = await services.store.tree.page(
+            tenant.id, session_id, limit=limit, after=after, order=order
+        )
+    except InvalidInputError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    if page is None:
+        raise NotFoundError(UNKNOWN_SESSION)
+    return page
 
 
 async def locked_write(services: Services, tenant: TenantRecord, session_id: str, write):
