@@ -252,6 +252,15 @@ class Sessions:
             args=session_ids,
         )
 
+    async def storage(self, tenant_id: str, session_id: str | None) -> tuple[int, int]:
+        """The bytes the session (None: a session not written yet, 0) and its tenant store."""
+        check_id("tenant", tenant_id)
+        fields = [TOTAL if session_id is None else check_id("session", session_id), TOTAL]
+        with self._ctx.unavailable():
+            raws = await self._ctx.redis.hmget(self._ctx.keys.tenant_bytes(tenant_id), fields)
+        session_bytes, tenant_bytes = (int(raw or 0) for raw in raws)
+        return (0 if session_id is None else session_bytes), tenant_bytes
+
     async def bytes_used(self, tenant_id: str) -> int:
         """The bytes the tenant's sessions store (expired ones included until a listing
         prunes them): what ``max_tenant_bytes`` bounds."""

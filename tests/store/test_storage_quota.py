@@ -61,6 +61,7 @@ async def test_counters_follow_every_write_and_delete_exactly(store: Store, raw)
             assert counters[sid] == await _measured(raw, keys, sid)
         assert counters[TOTAL] == sum(counters[sid] for sid in sessions)
         assert await store.sessions.bytes_used(tenant.id) == counters[TOTAL]
+        assert await store.sessions.storage(tenant.id, a.id) == (counters[a.id], counters[TOTAL])
 
     await check()
     async with store.sessions.turn_lock(tenant.id, a.id) as lock:
