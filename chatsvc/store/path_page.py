@@ -11,6 +11,9 @@ costs the same at 10 messages as at 10,000.
 The cursor is a message id (``after``): the page starts next to it, in the
 order asked. LPOS finds it by scanning ids only, inside Redis. The id just
 before the page is read too: its children are the first message's siblings.
+A page may also be bounded in bytes (``max_bytes``, its records' stored
+size): it then ends early, with ``has_more``, but always holds one message
+if any is left, so paging advances.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ MAX_PAGE_LIMIT = 1000
 Order = Literal["asc", "desc"]
 
 # KEYS: summary, path, nodes, children. ARGV: after ('' = from the start of the
-# order), order ('asc' | 'desc'), limit. Reply: false (no session) | {summary}
-# (``after`` is not on the active path) | {summary, ids (path order), records,
-# child lists of each id's parent, the last message's child list, path length,
-# more (1 | 0)}.
+# order), order ('asc' | 'desc'), limit, max bytes ('' = none). Reply: false (no
+# session) | {summary} (``after`` is not on the active path) | {summary, ids (path
+# order), records, child lists of each id's parent, the last message's child
+# list, path length, more (1 | 0)}.
 _PAGE = f"""
 local summary = redis.call('get', KEYS[1])
 if not summary then
@@ -69,6 +72,36 @@ if first <= last then
         parents[#parents + 1] = window[j - 1] or '{ROOT}'
     end
     records = redis.call('hmget', KEYS[3], unpack(ids))
+    local budget = tonumber(ARGV[4])
+    if budget then
+        -- Walk in the order asked; keep what fits, at least one message.
+        local keep, used = 0, 0
+        for step = 1, #ids do
+            local j = step
+            if ARGV[2] ~= 'asc' then
+                j = #ids - step + 1
+            end
+            local size = records[j] and #records[j] or 0
+            if keep > 0 and used + size > budget then
+                break
+            end
+            keep, used = keep + 1, used + size
+        end
+        if keep < #ids then
+            more = true
+            local lo, hi = 1, keep
+            if ARGV[2] ~= 'asc' then
+                lo, hi = #ids - keep + 1, #ids
+            end
+            local kept_ids, kept_parents, kept_records = {{}}, {{}}, {{}}
+            for j = lo, hi do
+                kept_ids[#kept_ids + 1] = ids[j]
+                kept_parents[#kept_parents + 1] = parents[j]
+                kept_records[#kept_records + 1] = records[j]
+            end
+            ids, parents, records = kept_ids, kept_parents, kept_records
+        end
+    end
     children = redis.call('hmget', KEYS[4], unpack(parents))
 end
 local tail = redis.call('lindex', KEYS[2], -1) or '{ROOT}'
@@ -109,13 +142,19 @@ class PageReader:
         limit: int,
         after: str | None,
         order: Order,
+        max_bytes: int | None = None,
     ) -> PathPage | None:
         """The page of up to ``limit`` messages next to ``after`` (None: from the start
-        of ``order``); None if the session is gone or another tenant's;
-        ``InvalidInputError`` if ``after`` is not on the active branch."""
-        reply = await self._page(
-            keys=list(keys), args=["" if after is None else after, order, limit]
-        )
+        of ``order``), ending early past ``max_bytes`` of records (None: no bound);
+        None if the session is gone or another tenant's; ``InvalidInputError`` if
+        ``after`` is not on the active branch."""
+        args = [
+            "" if after is None else after,
+            order,
+            limit,
+            "" if max_bytes is None else max_bytes,
+        ]
+        reply = await self._page(keys=list(keys), args=args)
         if not reply:
             return None
         session = decode(SessionSummary, reply[0])

@@ -53,11 +53,13 @@ class Tree:
         limit: int,
         after: str | None = None,
         order: Order = "asc",
+        max_bytes: int | None = None,
     ) -> PathPage | None:
         """Up to ``limit`` messages of the active branch next to the message ``after``
-        (None: from its start, ``order`` "asc", or its end, "desc"): only the page is
-        read (path_page.py). None if the session is not visible; ``InvalidInputError``
-        if ``after`` is not on the active branch. Refreshes the session's TTL."""
+        (None: from its start, ``order`` "asc", or its end, "desc"), fewer where their
+        records would pass ``max_bytes`` (at least one): only the page is read
+        (path_page.py). None if the session is not visible; ``InvalidInputError`` if
+        ``after`` is not on the active branch. Refreshes the session's TTL."""
         check_id("tenant", tenant_id)
         check_id("session", session_id)
         if after is not None:
@@ -66,6 +68,8 @@ class Tree:
             raise InvalidInputError(f"limit must be an int in [1, {MAX_PAGE_LIMIT}], got {limit!r}")
         if order not in ("asc", "desc"):
             raise InvalidInputError(f"order must be 'asc' or 'desc', got {order!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise InvalidInputError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         k = self._ctx.keys
         keys = (
             k.session(session_id),
@@ -75,7 +79,7 @@ class Tree:
         )
         with self._ctx.unavailable():
             page = await self._ctx.pager.read(
-                keys, tenant_id, limit=limit, after=after, order=order
+                keys, tenant_id, limit=limit, after=after, order=order, max_bytes=max_bytes
             )
             if page is not None:
                 await self._ctx.touch(session_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chatsvc.store import InvalidInputError, Store
-from chatsvc.store.records import MessageRecord
+from chatsvc.store.records import MessageRecord, encode
 from tests.store.helpers import new_tenant
 
 pytestmark = pytest.mark.anyio
@@ -86,3 +86,24 @@ async def test_bad_cursors_and_limits_are_input_errors(six):
             await store.tree.page(tenant.id, session.id, limit=limit)
     other = await new_tenant(store)
     assert await store.tree.page(other.id, session.id, limit=2) is None
+
+
+async def test_a_page_ends_early_at_its_byte_budget_and_paging_sees_each_once(six):
+    store, tenant, session, branch = six
+    size = len(encode(branch.messages[0]))
+    for order in ("asc", "desc"):
+        seen, after = [], None
+        while True:
+            page = await store.tree.page(
+                tenant.id, session.id, limit=5, after=after, order=order, max_bytes=2 * size
+            )
+            assert 1 <= len(page.messages) <= 2
+            seen += _texts(page)
+            if not page.has_more:
+                break
+            after = page.messages[-1].id
+        expected = [f"m{i}" for i in range(6)]
+        assert seen == (expected if order == "asc" else expected[::-1])
+    # One record larger than the budget still comes, alone, so paging advances.
+    page = await store.tree.page(tenant.id, session.id, limit=5, max_bytes=1)
+    assert _texts(page) == ["m0"] and page.has_more

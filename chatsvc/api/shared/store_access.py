@@ -21,6 +21,9 @@ from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecor
 UNKNOWN_SESSION = "no such session"
 UNKNOWN_MESSAGE = "no such message in this session"
 UNKNOWN_PROMPT = "no such system prompt"
+# A page of messages or items ends early once its stored records pass this many
+# bytes (at least one comes), so no page answer runs to megabytes.
+PAGE_MAX_BYTES = 2**20
 
 
 async def get_session(
@@ -55,15 +58,16 @@ async def read_page(
     after: str | None,
     order: Order,
 ) -> PathPage:
-    """A page of the active branch, read by position in the store (only the page);
-    404 for an unknown session, 400 for an ``after`` that is not on the branch."""
+    """A page of the active branch, read by position in the store (only the page), at
+    most ``PAGE_MAX_BYTES`` of records; 404 for an unknown session, 400 for an
+    ``after`` that is not on the branch."""
     try:
         check_id("session", session_id)
     except InvalidInputError:  # a malformed id names nothing
         raise NotFoundError(UNKNOWN_SESSION) from None
     try:
         page = await services.store.tree.page(
-            tenant.id, session_id, limit=limit, after=after, order=order
+            tenant.id, session_id, limit=limit, after=after, order=order, max_bytes=PAGE_MAX_BYTES
         )
     except InvalidInputError as exc:
         raise InvalidRequestError(str(exc)) from None
