@@ -268,6 +268,23 @@ return 'ok'
 )
 
 
+# KEYS: the tenant's index, its bytes hash, then each session's summary key.
+# ARGV: each session's id. Sessions whose summary is there are left alone.
+_FORGET = f"""
+for k = 1, #ARGV do
+    if redis.call('exists', KEYS[k + 2]) == 0 then
+        redis.call('zrem', KEYS[1], ARGV[k])
+        local freed = tonumber(redis.call('hget', KEYS[2], ARGV[k]) or '0')
+        redis.call('hdel', KEYS[2], ARGV[k])
+        if freed ~= 0 then
+            redis.call('hincrby', KEYS[2], '{TOTAL}', -freed)
+        end
+    end
+end
+return 0
+"""
+
+
 class SessionKeys(NamedTuple):
     """The keys one session's writes touch (all but ``index`` share its hash tag)."""
 
@@ -362,11 +379,13 @@ UNBOUNDED = Quotas()
 
 
 class CommitScripts:
-    """The create and apply scripts, registered on one client, under one ``Quotas``."""
+    """The create, apply and forget scripts, registered on one client, under one
+    ``Quotas``."""
 
     def __init__(self, client: aredis.Redis, quotas: Quotas = UNBOUNDED) -> None:
         self._apply = client.register_script(_APPLY)
         self._create = client.register_script(_CREATE)
+        self._forget = client.register_script(_FORGET)
         self.quotas = quotas
 
     async def create(
@@ -398,6 +417,12 @@ class CommitScripts:
             args=args,
         )
         return _outcome(reply)
+
+    async def forget(self, index: str, counters: str, summaries: dict[str, str]) -> None:
+        """Drop each session whose summary key (``summaries``: id -> key) is gone from
+        the tenant's ``index`` and its bytes from ``counters``, in one step."""
+        if summaries:
+            await self._forget(keys=[index, counters, *summaries.values()], args=list(summaries))
 
     async def apply(
         self,

@@ -33,7 +33,7 @@ from chatsvc.store.errors import (
     StoreUnavailableError,
 )
 from chatsvc.store.keys import check_id
-from chatsvc.store.listing import MAX_LIST_LIMIT, decode_cursor, read_page
+from chatsvc.store.listing import MAX_LIST_LIMIT, READ_CHUNK, decode_cursor, get_many, read_page
 from chatsvc.store.lock import RedisLock, keep_held
 from chatsvc.store.prompts import Prompts
 from chatsvc.store.records import (
@@ -51,21 +51,34 @@ from chatsvc.store.records import (
 from chatsvc.store.tenants import Tenants
 from chatsvc.store.tree import ROOT, branch_tokens, chain_children, link_chain
 
-# KEYS: the tenant's index, its bytes hash, then each session's summary key.
-# ARGV: each session's id. Sessions whose summary is there again are left alone.
-_FORGET_EXPIRED = f"""
-for k = 1, #ARGV do
-    if redis.call('exists', KEYS[k + 2]) == 0 then
-        redis.call('zrem', KEYS[1], ARGV[k])
-        local freed = tonumber(redis.call('hget', KEYS[2], ARGV[k]) or '0')
-        redis.call('hdel', KEYS[2], ARGV[k])
-        if freed ~= 0 then
-            redis.call('hincrby', KEYS[2], '{TOTAL}', -freed)
-        end
-    end
-end
-return 0
-"""
+
+async def forget(context: StoreContext, tenant_id: str, session_ids: list[str]) -> None:
+    """Drop expired sessions from the tenant's index, and their bytes from its total.
+
+    Expired sessions leave both behind (the tenant's keys do not expire); a session
+    whose summary is there (not expired after all) is left alone.
+    """
+    keys = context.keys
+    await context.scripts.forget(
+        keys.tenant_sessions(tenant_id),
+        keys.tenant_bytes(tenant_id),
+        {sid: keys.session(sid) for sid in session_ids},
+    )
+
+
+async def forget_all_expired(context: StoreContext, tenant_id: str) -> None:
+    """``forget`` every expired session of the tenant: what a write refused at the
+    tenant's quota runs before trying again, as expired bytes may be holding it."""
+    if context.session_ttl_s is None:
+        return  # nothing expires: every session that went took its bytes with it
+    index = context.keys.tenant_sessions(tenant_id)
+    ids = [member.decode() for member in await context.redis.zrange(index, 0, -1)]
+    for start in range(0, len(ids), READ_CHUNK):
+        chunk = ids[start : start + READ_CHUNK]
+        summaries = await get_many(context.redis, [context.keys.session(sid) for sid in chunk])
+        gone = [sid for sid, raw in zip(chunk, summaries, strict=True) if raw is None]
+        if gone:
+            await forget(context, tenant_id, gone)
 
 
 def owned(raw: bytes | None, tenant_id: str) -> SessionSummary | None:
@@ -84,7 +97,6 @@ class Sessions:
         self._ctx = context
         self._tenants = tenants
         self._prompts = prompts
-        self._forget_script = context.redis.register_script(_FORGET_EXPIRED)
 
     async def create(
         self,
@@ -165,13 +177,18 @@ class Sessions:
             if system_prompt_id is not None:
                 if await self._prompts.get(tenant_id, system_prompt_id) is None:
                     raise NotFoundError(f"unknown system prompt {system_prompt_id!r}")
-            outcome = await self._ctx.scripts.create(
-                SessionKeys.of(self._ctx.keys, tenant_id, session.id),
-                new,
-                session_id=session.id,
-                score=created,
-                ttl_ms=self._ctx.ttl_ms(),
-            )
+            for attempt in range(2):
+                outcome = await self._ctx.scripts.create(
+                    SessionKeys.of(self._ctx.keys, tenant_id, session.id),
+                    new,
+                    session_id=session.id,
+                    score=created,
+                    ttl_ms=self._ctx.ttl_ms(),
+                )
+                if outcome != "tenant_quota" or attempt or self._ctx.session_ttl_s is None:
+                    break
+                # Expired sessions may be what holds the tenant at its quota.
+                await forget_all_expired(self._ctx, tenant_id)
         if outcome in ("session_quota", "tenant_quota"):
             raise self._ctx.quota_error(outcome)
         return session
@@ -239,18 +256,8 @@ class Sessions:
                 max_bytes=max_bytes,
             )
             if page.expired:
-                await self._forget(tenant_id, page.expired)
+                await forget(self._ctx, tenant_id, page.expired)
         return page.summaries, page.next_cursor
-
-    async def _forget(self, tenant_id: str, session_ids: list[str]) -> None:
-        # Expired sessions leave their index entry and byte count behind (the tenant's
-        # keys do not expire); what was freed leaves the tenant's total with them.
-        keys = self._ctx.keys
-        summaries = [keys.session(sid) for sid in session_ids]
-        await self._forget_script(
-            keys=[keys.tenant_sessions(tenant_id), keys.tenant_bytes(tenant_id), *summaries],
-            args=session_ids,
-        )
 
     async def storage(self, tenant_id: str, session_id: str | None) -> tuple[int, int]:
         """The bytes the session (None: a session not written yet, 0) and its tenant store."""

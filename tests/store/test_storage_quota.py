@@ -166,3 +166,31 @@ async def test_a_tenant_at_its_quota_does_not_stop_another_tenant(redis_server, 
         assert await store.sessions.bytes_used(other.id) > 2_000
     finally:
         await store.close()
+
+
+async def test_expired_sessions_do_not_hold_a_tenant_at_its_quota(redis_server, prefix, raw):
+    store = await Store.connect(
+        redis_server.url, prefix=prefix, session_ttl_s=0.8, max_tenant_bytes=3_000
+    )
+    try:
+        tenant = await new_tenant(store)
+        index = store.keys.tenant_sessions(tenant.id)
+
+        async def create(*chars: int):
+            messages = [MessageRecord(role="user", text="x" * n, token_ids=[]) for n in chars]
+            return await store.sessions.create(tenant.id, None, None, None, {}, messages=messages)
+
+        # No listing prunes them here: a refused write forgets the expired sessions itself.
+        gone = await create(1_300, 1_300)
+        await asyncio.sleep(1.0)
+        await create(400)  # past the quota while the expired bytes count: a create
+        assert await raw.zscore(index, gone.id) is None
+        gone = await create(1_200)
+        await asyncio.sleep(1.0)
+        last = await create(10)
+        async with store.sessions.turn_lock(tenant.id, last.id) as lock:
+            await store.branches.add_messages(tenant.id, last.id, _items(2, 1_000), lock=lock)
+        assert await raw.zscore(index, gone.id) is None
+        assert await store.sessions.bytes_used(tenant.id) < 3_000
+    finally:
+        await store.close()
