@@ -5,8 +5,9 @@ summary, the active branch's token history, the message tree (records, child
 lists, active path), the stored responses, the ids of recently applied writes
 and the turn lock. With an idle TTL, all but the lock expire together; every
 write and every read by the owner pushes the expiry out again. The tenant's
-index (a sorted set by updated_at) does not expire; ids whose session has
-expired are pruned from it lazily, when listing meets them.
+index (a sorted set by updated_at) and its byte counters (commit.py) do not
+expire; ids whose session has expired are pruned from both lazily, when
+listing meets them or when a write is refused at the tenant's byte quota.
 
 Creating a session and every later write are Lua scripts (``commit.py``):
 each is fenced, idempotent and atomic. The later writes live in writes.py,
