@@ -68,7 +68,8 @@ TOTAL = "*total"
 # Redis reads a script's ARGV into Lua's stack; sets and deletes go in chunks
 # this size so no single call passes Lua's argument limit.
 _LUA_HELPERS = (
-    """
+    f"local TOTAL = '{TOTAL}'\n"
+    + """
 local function take(args, i)
     local n = tonumber(args[i])
     local items = {}
@@ -116,9 +117,7 @@ local function over_quota(counters, sid, delta, max_session, max_tenant)
     if max_session ~= '' and used + delta > tonumber(max_session) then
         return 'session_quota'
     end
-    local total = tonumber(redis.call('hget', counters, '"""
-    + TOTAL
-    + """') or '0')
+    local total = tonumber(redis.call('hget', counters, TOTAL) or '0')
     if max_tenant ~= '' and total + delta > tonumber(max_tenant) then
         return 'tenant_quota'
     end
@@ -127,9 +126,7 @@ end
 local function count_bytes(counters, sid, delta)
     if delta ~= 0 then
         redis.call('hincrby', counters, sid, delta)
-        redis.call('hincrby', counters, '"""
-    + TOTAL
-    + """', delta)
+        redis.call('hincrby', counters, TOTAL, delta)
     end
 end
 """
