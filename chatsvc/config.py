@@ -59,6 +59,10 @@ class Limits:
     # Messages one session keeps on all its branches (regenerated answers, edits,
     # conversation items): each is stored, so the count is bounded.
     max_messages_per_session: int = 10_000
+    # Bytes one session / one tenant stores in the shared Redis (text, token ids,
+    # records; chatsvc/store/commit.py counts them): a write past either is a 429.
+    max_session_bytes: int = 64 * 2**20
+    max_tenant_bytes: int = 8 * 2**30
     max_streams_per_tenant: int = 8
     # Private system prompts one tenant may keep, and shared ones the operator may publish.
     max_system_prompts_per_tenant: int = 100

@@ -120,6 +120,8 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
             prefix=settings.key_prefix,
             session_ttl_s=settings.session_ttl_s,
             lock_ttl_s=settings.turn_lock_ttl_s,
+            max_session_bytes=settings.limits.max_session_bytes,
+            max_tenant_bytes=settings.limits.max_tenant_bytes,
         )
         stack.push_async_callback(store.close)
         tenants = await bootstrap_tenants(store, settings)

@@ -17,6 +17,7 @@ from migrations import (
     m0003_tenant_names_and_operator_prompts,
     m0004_session_tokens_key,
     m0005_message_tree,
+    m0006_storage_bytes,
 )
 
 # Oldest first; the store's SCHEMA_VERSION is the last one's VERSION.
@@ -26,4 +27,5 @@ MIGRATIONS = (
     m0003_tenant_names_and_operator_prompts,
     m0004_session_tokens_key,
     m0005_message_tree,
+    m0006_storage_bytes,
 )

@@ -243,7 +243,9 @@ class Branches:
             kids = children.get(message_id, [])
             parent_key = top.parent_id or ROOT
             below = subtree(children, message_id)[1:]
-            raws = await self._ctx.redis.hmget(self._ctx.keys.session_nodes(session_id), below)
+            # HMGET takes at least one field: the last message has nothing below it.
+            nodes = self._ctx.keys.session_nodes(session_id)
+            raws = await self._ctx.redis.hmget(nodes, below) if below else []
             write = TreeWrite(summary=None, node_dels=[message_id])
             for raw in raws:
                 record = decode(MessageRecord, raw)

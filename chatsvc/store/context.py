@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import redis.asyncio as aredis
 
 from chatsvc.store.branch_read import BranchReader
-from chatsvc.store.commit import CommitScripts
+from chatsvc.store.commit import UNBOUNDED, CommitScripts, Quotas
 from chatsvc.store.connection import unavailable_on_failure
+from chatsvc.store.errors import StorageQuotaError
 from chatsvc.store.keys import Keys
+from chatsvc.store.path_page import PageReader
 
 # A conflict means another writer changed what a WATCH guards between our read
 # and our write; with the turn lock held that is rare, so a few retries are plenty.
@@ -31,7 +33,7 @@ class StoreContext:
 
     ``session_ttl_s``: idle sessions expire this long after their last use
     (None: never). ``lock_ttl_s``: a turn lock whose holder died frees itself
-    after this long.
+    after this long. ``scripts.quotas``: the byte quotas every write is held to.
     """
 
     redis: aredis.Redis
@@ -41,6 +43,7 @@ class StoreContext:
     lock_ttl_s: float
     scripts: CommitScripts
     reader: BranchReader
+    pager: PageReader
 
     @classmethod
     def over(
@@ -51,21 +54,35 @@ class StoreContext:
         *,
         session_ttl_s: float | None = None,
         lock_ttl_s: float = 30.0,
+        quotas: Quotas = UNBOUNDED,
     ) -> StoreContext:
         """The context of ``client`` (connected to ``url``), its scripts registered on it."""
         if session_ttl_s is not None and session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0 or None, got {session_ttl_s}")
         if lock_ttl_s <= 0:
             raise ValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s}")
+        for name, quota in quotas._asdict().items():
+            if quota is not None and (not isinstance(quota, int) or quota < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {quota!r}")
         return cls(
             redis=client,
             url=url,
             keys=keys,
             session_ttl_s=session_ttl_s,
             lock_ttl_s=lock_ttl_s,
-            scripts=CommitScripts(client),
+            scripts=CommitScripts(client, quotas),
             reader=BranchReader(client),
+            pager=PageReader(client),
         )
+
+    def quota_error(self, outcome: str) -> StorageQuotaError:
+        """The error a write refused by ``outcome`` ("session_quota" / "tenant_quota") raises."""
+        quotas = self.scripts.quotas
+        if outcome == "session_quota":
+            limit = f"max_session_bytes={quotas.max_session_bytes}"
+            return StorageQuotaError(f"session storage limit ({limit}) reached")
+        limit = f"max_tenant_bytes={quotas.max_tenant_bytes}"
+        return StorageQuotaError(f"tenant storage limit ({limit}) reached")
 
     def unavailable(self) -> contextlib.AbstractContextManager[None]:
         """Transport failures inside the block become ``StoreUnavailableError``."""

@@ -51,6 +51,11 @@ class LimitExceededError(StoreError):
     """A create would pass a configured cap (the API answers 429); nothing was written."""
 
 
+class StorageQuotaError(LimitExceededError):
+    """A write would take a session's or a tenant's stored bytes past its quota (the
+    API answers 429 with this message, which names the limit); nothing was written."""
+
+
 class TurnLockLostError(StoreError):
     """A turn's commit was refused: its turn lock expired and was (or may be) taken
     by another turn, so writing now could interleave two turns (nothing was written)."""

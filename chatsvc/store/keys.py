@@ -1,6 +1,6 @@
 """Every Redis key chatsvc uses, under one prefix.
 
-Layout (``p`` = prefix, schema version 5):
+Layout (``p`` = prefix, schema version 6):
 
     p:schema_version                 string  newest applied migration number
     p:migration_lock                 string  held while migrations run
@@ -12,6 +12,8 @@ Layout (``p`` = prefix, schema version 5):
     p:prompts:shared                 set     ids of the shared system prompts the operator published
     p:prompt:<pid>                   string  SystemPromptRecord
     p:tenant:<tid>:sessions          zset    session ids scored by updated_at (v1: a set)
+    p:tenant:<tid>:bytes             hash    session id -> the bytes its records take; "*total"
+                                             -> the sum (the storage quotas, commit.py)
     p:session:{<sid>}                string  SessionSummary (v2: the whole SessionRecord)
     p:session:{<sid>}:tokens         string  the active branch's token history (msgpack array)
     p:session:{<sid>}:nodes          hash    message id -> MessageRecord: the tree, each once
@@ -88,6 +90,9 @@ class Keys:
 
     def tenant_sessions(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}:sessions"
+
+    def tenant_bytes(self, tenant_id: str) -> str:
+        return f"{self.prefix}:tenant:{tenant_id}:bytes"
 
     def tenant_sessions_pattern(self) -> str:
         """SCAN pattern matching every tenant's session index (used by migrations)."""

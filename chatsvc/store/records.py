@@ -14,7 +14,7 @@ import msgspec
 
 # The keyspace layout these records and ``chatsvc.store.keys`` describe. It equals
 # the number of the newest migration; the runner stores it under the version key.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 def now() -> float:

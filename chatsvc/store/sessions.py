@@ -5,8 +5,9 @@ summary, the active branch's token history, the message tree (records, child
 lists, active path), the stored responses, the ids of recently applied writes
 and the turn lock. With an idle TTL, all but the lock expire together; every
 write and every read by the owner pushes the expiry out again. The tenant's
-index (a sorted set by updated_at) does not expire; ids whose session has
-expired are pruned from it lazily, when listing meets them.
+index (a sorted set by updated_at) and its byte counters (commit.py) do not
+expire; ids whose session has expired are pruned from both lazily, when
+listing meets them or when a write is refused at the tenant's byte quota.
 
 Creating a session and every later write are Lua scripts (``commit.py``):
 each is fenced, idempotent and atomic. The later writes live in writes.py,
@@ -23,7 +24,7 @@ from collections.abc import AsyncIterator
 import redis.exceptions as rexc
 
 from chatsvc.store import validate as v
-from chatsvc.store.commit import NewSession, SessionKeys
+from chatsvc.store.commit import TOTAL, NewSession, SessionKeys
 from chatsvc.store.connection import is_transport_error
 from chatsvc.store.context import MAX_WATCH_RETRIES, StoreContext
 from chatsvc.store.errors import (
@@ -34,7 +35,7 @@ from chatsvc.store.errors import (
     StoreUnavailableError,
 )
 from chatsvc.store.keys import check_id
-from chatsvc.store.listing import MAX_LIST_LIMIT, decode_cursor, read_page
+from chatsvc.store.listing import MAX_LIST_LIMIT, READ_CHUNK, decode_cursor, get_many, read_page
 from chatsvc.store.lock import RedisLock, keep_held
 from chatsvc.store.prompts import Prompts
 from chatsvc.store.records import (
@@ -51,6 +52,35 @@ from chatsvc.store.records import (
 )
 from chatsvc.store.tenants import Tenants
 from chatsvc.store.tree import ROOT, branch_tokens, chain_children, link_chain
+
+
+async def forget(context: StoreContext, tenant_id: str, session_ids: list[str]) -> None:
+    """Drop expired sessions from the tenant's index, and their bytes from its total.
+
+    Expired sessions leave both behind (the tenant's keys do not expire); a session
+    whose summary is there (not expired after all) is left alone.
+    """
+    keys = context.keys
+    await context.scripts.forget(
+        keys.tenant_sessions(tenant_id),
+        keys.tenant_bytes(tenant_id),
+        {sid: keys.session(sid) for sid in session_ids},
+    )
+
+
+async def forget_all_expired(context: StoreContext, tenant_id: str) -> None:
+    """``forget`` every expired session of the tenant: what a write refused at the
+    tenant's quota runs before trying again, as expired bytes may be holding it."""
+    if context.session_ttl_s is None:
+        return  # nothing expires: every session that went took its bytes with it
+    index = context.keys.tenant_sessions(tenant_id)
+    ids = [member.decode() for member in await context.redis.zrange(index, 0, -1)]
+    for start in range(0, len(ids), READ_CHUNK):
+        chunk = ids[start : start + READ_CHUNK]
+        summaries = await get_many(context.redis, [context.keys.session(sid) for sid in chunk])
+        gone = [sid for sid, raw in zip(chunk, summaries, strict=True) if raw is None]
+        if gone:
+            await forget(context, tenant_id, gone)
 
 
 def owned(raw: bytes | None, tenant_id: str) -> SessionSummary | None:
@@ -97,7 +127,8 @@ class Sessions:
         stored with them); their ``token_ids`` continue the history. ``kind`` says
         which API made the session; ``session_id`` is for callers that named the
         session before writing it (a response's id carries it). One atomic write;
-        sent again after a lost reply, it creates nothing more.
+        sent again after a lost reply, it creates nothing more. ``StorageQuotaError``
+        (nothing written) if it would pass a byte quota.
 
         ``max_sessions``: the most sessions the tenant may have (None: no cap); at
         it, ``LimitExceededError`` and nothing is written. The count and the write
@@ -154,16 +185,23 @@ class Sessions:
             if system_prompt_id is not None:
                 if await self._prompts.get(tenant_id, system_prompt_id) is None:
                     raise NotFoundError(f"unknown system prompt {system_prompt_id!r}")
-            outcome = await self._ctx.scripts.create(
-                SessionKeys.of(self._ctx.keys, tenant_id, session.id),
-                new,
-                session_id=session.id,
-                score=created,
-                ttl_ms=self._ctx.ttl_ms(),
-                max_sessions=max_sessions,
-            )
+            for attempt in range(2):
+                outcome = await self._ctx.scripts.create(
+                    SessionKeys.of(self._ctx.keys, tenant_id, session.id),
+                    new,
+                    session_id=session.id,
+                    score=created,
+                    ttl_ms=self._ctx.ttl_ms(),
+                    max_sessions=max_sessions,
+                )
+                if outcome != "tenant_quota" or attempt or self._ctx.session_ttl_s is None:
+                    break
+                # Expired sessions may be what holds the tenant at its quota.
+                await forget_all_expired(self._ctx, tenant_id)
         if outcome == "limit":
             raise LimitExceededError(f"this tenant already has {max_sessions} sessions")
+        if outcome in ("session_quota", "tenant_quota"):
+            raise self._ctx.quota_error(outcome)
         return session
 
     async def get(self, tenant_id: str, session_id: str) -> SessionRecord | None:
@@ -229,8 +267,25 @@ class Sessions:
                 max_bytes=max_bytes,
             )
             if page.expired:
-                await self._ctx.redis.zrem(index, *page.expired)
+                await forget(self._ctx, tenant_id, page.expired)
         return page.summaries, page.next_cursor
+
+    async def storage(self, tenant_id: str, session_id: str | None) -> tuple[int, int]:
+        """The bytes the session (None: a session not written yet, 0) and its tenant store."""
+        check_id("tenant", tenant_id)
+        fields = [TOTAL if session_id is None else check_id("session", session_id), TOTAL]
+        with self._ctx.unavailable():
+            raws = await self._ctx.redis.hmget(self._ctx.keys.tenant_bytes(tenant_id), fields)
+        session_bytes, tenant_bytes = (int(raw or 0) for raw in raws)
+        return (0 if session_id is None else session_bytes), tenant_bytes
+
+    async def bytes_used(self, tenant_id: str) -> int:
+        """The bytes the tenant's sessions store (expired ones included until a listing
+        prunes them): what ``max_tenant_bytes`` bounds."""
+        check_id("tenant", tenant_id)
+        with self._ctx.unavailable():
+            raw = await self._ctx.redis.hget(self._ctx.keys.tenant_bytes(tenant_id), TOTAL)
+        return int(raw or 0)
 
     async def count(self, tenant_id: str) -> int:
         """Size of the tenant's session index: an upper bound, as expired ids
@@ -240,7 +295,8 @@ class Sessions:
             return await self._ctx.redis.zcard(self._ctx.keys.tenant_sessions(tenant_id))
 
     async def delete(self, tenant_id: str, session_id: str) -> bool:
-        """Remove every key of the session and its index entry; False if not visible."""
+        """Remove every key of the session, its index entry and its byte count (off the
+        tenant's total); False if not visible."""
         check_id("tenant", tenant_id)
         check_id("session", session_id)
         keys = self._ctx.keys
@@ -248,12 +304,18 @@ class Sessions:
         with self._ctx.unavailable():
             for _ in range(MAX_WATCH_RETRIES):
                 async with self._ctx.redis.pipeline(transaction=True) as pipe:
+                    # Every write that changes the session's byte count rewrites its
+                    # summary, so watching the summary guards the count read here too.
                     await pipe.watch(key)
                     if owned(await pipe.get(key), tenant_id) is None:
                         return False
+                    counters = keys.tenant_bytes(tenant_id)
+                    freed = int(await pipe.hget(counters, session_id) or 0)
                     pipe.multi()
                     pipe.delete(*keys.session_keys(session_id))
                     pipe.zrem(keys.tenant_sessions(tenant_id), session_id)
+                    pipe.hdel(counters, session_id)
+                    pipe.hincrby(counters, TOTAL, -freed)
                     try:
                         await pipe.execute()
                         return True

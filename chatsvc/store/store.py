@@ -22,6 +22,7 @@ from __future__ import annotations
 import redis.asyncio as aredis
 
 from chatsvc.store.branches import Branches
+from chatsvc.store.commit import Quotas
 from chatsvc.store.connection import make_client, unavailable_on_failure
 from chatsvc.store.context import StoreContext
 from chatsvc.store.keys import Keys
@@ -67,18 +68,27 @@ class Store:
         lock_ttl_s: float = 30.0,
         socket_timeout_s: float = 2.0,
         client_name: str | None = None,
+        max_session_bytes: int | None = None,
+        max_tenant_bytes: int | None = None,
     ) -> Store:
         """Connect to ``url``, apply pending migrations under a lock, return the store.
 
         ``session_ttl_s``: idle sessions expire this long after their last use
         (None: never). ``lock_ttl_s``: a turn lock whose holder died frees itself
-        after this long. Raises ``StoreUnavailableError`` if Redis is unreachable.
+        after this long. ``max_session_bytes`` / ``max_tenant_bytes``: the most bytes one
+        session / one tenant may store (None: unbounded); a write past either raises
+        ``StorageQuotaError``. Raises ``StoreUnavailableError`` if Redis is unreachable.
         """
         keys = Keys(prefix)
         client = make_client(url, socket_timeout_s=socket_timeout_s, client_name=client_name)
         try:
             context = StoreContext.over(
-                client, url, keys, session_ttl_s=session_ttl_s, lock_ttl_s=lock_ttl_s
+                client,
+                url,
+                keys,
+                session_ttl_s=session_ttl_s,
+                lock_ttl_s=lock_ttl_s,
+                quotas=Quotas(max_session_bytes, max_tenant_bytes),
             )
             store = cls(context)
             with unavailable_on_failure(url):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from chatsvc.store.branch_read import Branch, UnknownMessage
 from chatsvc.store.context import StoreContext
-from chatsvc.store.errors import NotFoundError
+from chatsvc.store.errors import InvalidInputError, NotFoundError
 from chatsvc.store.keys import check_id
+from chatsvc.store.path_page import MAX_PAGE_LIMIT, Order, PathPage
 from chatsvc.store.records import MessageRecord, ResponseRecord, decode, decode_tokens
 from chatsvc.store.sessions import owned
 from chatsvc.store.tree import branch_tokens, leaf_paths, split_children
@@ -43,6 +44,46 @@ class Tree:
         Refreshes the session's TTL."""
         branch = await self.branch(tenant_id, session_id)
         return None if branch is None else branch.messages
+
+    async def page(
+        self,
+        tenant_id: str,
+        session_id: str,
+        *,
+        limit: int,
+        after: str | None = None,
+        order: Order = "asc",
+        max_bytes: int | None = None,
+    ) -> PathPage | None:
+        """Up to ``limit`` messages of the active branch next to the message ``after``
+        (None: from its start, ``order`` "asc", or its end, "desc"), fewer where their
+        records would pass ``max_bytes`` (at least one): only the page is read
+        (path_page.py). None if the session is not visible; ``InvalidInputError`` if
+        ``after`` is not on the active branch. Refreshes the session's TTL."""
+        check_id("tenant", tenant_id)
+        check_id("session", session_id)
+        if after is not None:
+            check_id("message", after)
+        if not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_LIMIT:
+            raise InvalidInputError(f"limit must be an int in [1, {MAX_PAGE_LIMIT}], got {limit!r}")
+        if order not in ("asc", "desc"):
+            raise InvalidInputError(f"order must be 'asc' or 'desc', got {order!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise InvalidInputError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        k = self._ctx.keys
+        keys = (
+            k.session(session_id),
+            k.session_path(session_id),
+            k.session_nodes(session_id),
+            k.session_children(session_id),
+        )
+        with self._ctx.unavailable():
+            page = await self._ctx.pager.read(
+                keys, tenant_id, limit=limit, after=after, order=order, max_bytes=max_bytes
+            )
+            if page is not None:
+                await self._ctx.touch(session_id)
+        return page
 
     async def messages_by_id(
         self, tenant_id: str, session_id: str, message_ids: list[str]

@@ -34,6 +34,7 @@ from chatsvc.store.records import (
     encode_tokens,
     now,
 )
+from chatsvc.store.sessions import forget_all_expired
 from chatsvc.store.tree import ROOT, chain_children, link_chain
 from chatsvc.store.tree_read import Tree
 
@@ -163,7 +164,8 @@ class TreeWriter:
         names the write (default: fresh). Returns what ``plan`` promised, or None when
         an earlier send of this very write had already been applied. Raises
         ``NotFoundError`` (session not visible, or no message ``leaf``),
-        ``TurnLockLostError`` (nothing written), and whatever ``plan`` raises.
+        ``TurnLockLostError`` and ``StorageQuotaError`` (nothing written), and whatever
+        ``plan`` raises.
         """
         check_id("tenant", tenant_id)
         check_id("session", session_id)
@@ -171,6 +173,7 @@ class TreeWriter:
         if not isinstance(lock, RedisLock) or lock.key != keys.lock:
             raise ValueError("a session write needs its turn lock, as turn_lock yields it")
         write_id = secrets.token_hex(16) if write_id is None else check_turn_id(write_id)
+        pruned = False
         with self._ctx.unavailable():
             for _ in range(MAX_WATCH_RETRIES):
                 branch = await self._tree.read_branch(tenant_id, session_id, leaf)
@@ -197,6 +200,13 @@ class TreeWriter:
                     if planned.write.summary is None:
                         return None  # this write deletes the session: gone either way
                     raise NotFoundError(f"unknown session {session_id!r}")
+                if outcome == "tenant_quota" and not pruned and self._ctx.session_ttl_s:
+                    # Expired sessions may be what holds the tenant at its quota.
+                    await forget_all_expired(self._ctx, tenant_id)
+                    pruned = True
+                    continue
+                if outcome in ("session_quota", "tenant_quota"):
+                    raise self._ctx.quota_error(outcome)
                 if outcome == "lock_lost":
                     raise TurnLockLostError(
                         f"the turn lock of session {session_id!r} expired and may have been "

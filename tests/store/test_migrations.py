@@ -20,7 +20,12 @@ from chatsvc.store.records import (
     encode_tokens,
 )
 from chatsvc.store.schema import Migration, migrate
-from migrations import m0002_session_index_zset, m0004_session_tokens_key, m0005_message_tree
+from migrations import (
+    m0002_session_index_zset,
+    m0004_session_tokens_key,
+    m0005_message_tree,
+    m0006_storage_bytes,
+)
 from tests.store.helpers import commit_after
 
 pytestmark = pytest.mark.anyio
@@ -45,6 +50,7 @@ async def test_fresh_keyspace_gets_every_migration_once(redis_server, prefix, ra
         "0003_tenant_names_and_operator_prompts",
         "0004_session_tokens_key",
         "0005_message_tree",
+        "0006_storage_bytes",
     ]
     assert await migrate(redis_server.url, prefix) == labels
     assert await migrate(redis_server.url, prefix) == []
@@ -248,7 +254,7 @@ async def test_layout_4_message_lists_become_trees(redis_server, prefix, raw):
 
     store = await Store.connect(redis_server.url, prefix=prefix)
     try:
-        assert await raw.get(keys.schema_version()) == b"5"
+        assert await raw.get(keys.schema_version()) == str(SCHEMA_VERSION).encode()
         for n, old in enumerate(conversations):
             sid = f"v4s{n}"
             assert await raw.exists(keys.session_messages(sid)) == 0
@@ -298,3 +304,25 @@ async def test_message_tree_migration_is_idempotent(redis_server, prefix, raw):
     await m0005_message_tree.up(raw, keys)
     again = {k: await raw.dump(k) async for k in raw.scan_iter(match=f"{prefix}:session:*")}
     assert again == once
+
+
+async def test_layout_5_sessions_get_their_byte_counts(redis_server, prefix, raw):
+    """Migration 0006 measures what sessions written before the counters store: the
+    counts it leaves equal those the writes keep, and a second run changes nothing."""
+    keys = Keys(prefix)
+    store = await Store.connect(redis_server.url, prefix=prefix)
+    try:
+        tenant = await store.tenants.ensure("bytes")
+        items = [MessageRecord(role="user", text="x" * n, token_ids=[]) for n in (10, 300)]
+        for n in range(3):
+            await store.sessions.create(tenant.id, None, "sys", [1] * n, {}, messages=items[:n])
+        kept = await raw.hgetall(keys.tenant_bytes(tenant.id))
+    finally:
+        await store.close()
+    await raw.delete(keys.tenant_bytes(tenant.id))
+    await raw.set(keys.schema_version(), 5)
+    store = await Store.connect(redis_server.url, prefix=prefix)
+    await store.close()
+    assert await raw.hgetall(keys.tenant_bytes(tenant.id)) == kept
+    await m0006_storage_bytes.up(raw, keys)
+    assert await raw.hgetall(keys.tenant_bytes(tenant.id)) == kept

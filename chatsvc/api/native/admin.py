@@ -23,6 +23,7 @@ from chatsvc.api.shared.rendering import check_text, system_prefix_tokens
 from chatsvc.api.shared.store_access import UNKNOWN_PROMPT
 from chatsvc.metrics import CONTENT_TYPE
 from chatsvc.protocol import EngineClient, EngineStoppedError
+from chatsvc.service import Services
 from chatsvc.store.errors import InvalidInputError, LimitExceededError, MalformedIdError
 
 
@@ -42,7 +43,8 @@ class AdminController(Controller):
         and by system prompt under ``requests``, ``integrity``: "ok" when the
         cache's bookkeeping invariants hold, else the broken invariant, and this
         replica's id with its history turns and affinity misses under ``affinity``
-        (definitions in chatsvc/affinity.py)."""
+        (definitions in chatsvc/affinity.py), and under ``storage`` the byte quotas
+        with the bytes each of this replica's tenants stores."""
         # Both wait for the engine thread to finish its current step, so they see
         # the same consistent state between steps.
         try:
@@ -56,6 +58,7 @@ class AdminController(Controller):
             "integrity": integrity,
             "replica": services.metrics.replica,
             "affinity": services.affinity.snapshot(),
+            "storage": await _storage(services),
         }
 
     @get(
@@ -119,6 +122,20 @@ class AdminController(Controller):
             deleted = False
         if not deleted:
             raise NotFoundError(UNKNOWN_PROMPT)
+
+
+async def _storage(services: Services) -> dict[str, Any]:
+    limits = services.settings.limits
+    directory = services.tenants
+    tenants = {t.id: t for _, t in directory.entries}
+    if directory.local is not None:
+        tenants[directory.local.id] = directory.local
+    used = {t.name: await services.store.sessions.bytes_used(t.id) for t in tenants.values()}
+    return {
+        "max_session_bytes": limits.max_session_bytes,
+        "max_tenant_bytes": limits.max_tenant_bytes,
+        "bytes_used_by_tenant": used,
+    }
 
 
 def _integrity(engine: EngineClient) -> str:

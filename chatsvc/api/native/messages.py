@@ -17,7 +17,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, JSONBody, Parameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from chatsvc.api.native.branches import branch_view
+from chatsvc.api.native.branches import branch_view, message_view
 from chatsvc.api.native.schemas import (
     MessageList,
     MessageView,
@@ -39,10 +39,15 @@ from chatsvc.api.shared.errors import (
 from chatsvc.api.shared.openapi_streams import StreamingOperation
 from chatsvc.api.shared.rendering import check_text
 from chatsvc.api.shared.sampling import build_sampling
-from chatsvc.api.shared.store_access import read_branch
+from chatsvc.api.shared.store_access import read_branch, read_page
 from chatsvc.api.turn.run import begin_turn, run_turn
 from chatsvc.api.turn.spec import StoredTurn, TurnSpec
 from chatsvc.store import StoreUnavailableError
+
+# A branch is shown in pages of this many messages unless the request asks for
+# fewer (or, up to the maximum, more): the store reads only the page.
+DEFAULT_MESSAGES_PAGE = 100
+MAX_MESSAGES_PAGE = 1000
 
 
 class MessageController(Controller):
@@ -112,10 +117,41 @@ class MessageController(Controller):
         leaf_id: str | None = Parameter(
             default=None, max_length=64, description="show the branch ending at this message"
         ),
+        limit: int = Parameter(
+            default=DEFAULT_MESSAGES_PAGE,
+            ge=1,
+            le=MAX_MESSAGES_PAGE,
+            description="the most messages in this page",
+        ),
+        after: str | None = Parameter(
+            default=None, max_length=64, description="start after this message of the branch"
+        ),
     ) -> MessageList:
         """Each message says its siblings (other versions at its place); ``leaf_id``
-        shows another branch without making it active."""
-        return branch_view(session_id, await read_branch(services, tenant, session_id, leaf_id))
+        shows another branch without making it active. Pages of ``limit`` messages,
+        oldest first; ``has_more``: pass the last id as ``after`` for the next."""
+        if leaf_id is None:
+            page = await read_page(
+                services, tenant, session_id, limit=limit, after=after, order="asc"
+            )
+            pairs = zip(page.messages, page.siblings, strict=True)
+            return MessageList(
+                session_id=session_id,
+                messages=[message_view(message, siblings) for message, siblings in pairs],
+                continuations=page.continuations,
+                has_more=page.has_more,
+            )
+        # Another branch has no index of its own: it is read whole, and paged here.
+        view = branch_view(session_id, await read_branch(services, tenant, session_id, leaf_id))
+        start = 0
+        if after is not None:
+            ids = [m.id for m in view.messages]
+            if after not in ids:
+                raise InvalidRequestError(f"after names no message of this branch: {after!r}")
+            start = ids.index(after) + 1
+        view.has_more = len(view.messages) > start + limit
+        view.messages = view.messages[start : start + limit]
+        return view
 
 
 def _spec(services, data: PostMessage) -> TurnSpec:

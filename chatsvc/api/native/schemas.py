@@ -117,11 +117,13 @@ class MessageView(msgspec.Struct, kw_only=True):
 
 class MessageList(msgspec.Struct, kw_only=True):
     """A branch of the session, root first (the active one unless ``leaf_id`` named
-    another); ``continuations``: the ids of the messages that follow its last one."""
+    another); ``continuations``: the ids of the messages that follow its last one.
+    ``has_more``: the branch goes on past this page (pass the last id as ``after``)."""
 
     session_id: str
     messages: list[MessageView]
     continuations: list[str] = msgspec.field(default_factory=list)
+    has_more: bool = False
 
 
 class SwitchBranch(Request):

@@ -35,7 +35,7 @@ from chatsvc.api.shared.errors import (
 )
 from chatsvc.api.shared.rendering import check_text
 from chatsvc.api.shared.session_kv import delete_session_and_kv, delete_with_kv
-from chatsvc.api.shared.store_access import get_session, locked_write, read_branch
+from chatsvc.api.shared.store_access import get_session, locked_write, read_page
 from chatsvc.service import Services
 from chatsvc.store import InvalidInputError
 from chatsvc.store.errors import MalformedIdError
@@ -146,10 +146,18 @@ class ConversationController(Controller):
         limit: int = Parameter(default=DEFAULT_PAGE, ge=1, le=MAX_PAGE),
         order: str = Parameter(default="desc", pattern="^(asc|desc)$"),
     ) -> ItemList:
-        """``order`` desc (the default): newest first; pass ``last_id`` as ``after``."""
-        branch = await read_branch(services, tenant, conversation_id)
-        items = [item_view(m) for m in branch.messages]
-        return page_of(items, after=after, limit=limit, order=order)
+        """``order`` desc (the default): newest first; pass ``last_id`` as ``after``.
+        The store reads only the page."""
+        page = await read_page(
+            services, tenant, conversation_id, limit=limit, after=after, order=order
+        )
+        items = [item_view(m) for m in page.messages]
+        return ItemList(
+            data=items,
+            first_id=items[0].id if items else None,
+            last_id=items[-1].id if items else None,
+            has_more=page.has_more,
+        )
 
     @post(
         "/{conversation_id:str}/items",

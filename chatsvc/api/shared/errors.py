@@ -15,7 +15,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.types import ExceptionHandlersMap
 
-from chatsvc.store import SessionBusyError, StoreUnavailableError
+from chatsvc.store import SessionBusyError, StorageQuotaError, StoreUnavailableError
 from chatsvc.store.errors import InvalidInputError, LimitExceededError, UnconfirmedWriteError
 from chatsvc.store.errors import NotFoundError as StoreNotFoundError
 
@@ -148,6 +148,11 @@ def _session_busy(_: Request, exc: SessionBusyError) -> Response:
     return _json(409, "session_busy", "another message of this session is still being generated")
 
 
+def _storage_quota(_: Request, exc: StorageQuotaError) -> Response:
+    # The store's message names the limit and holds no id.
+    return _json(429, "rate_limit_error", str(exc))
+
+
 def _store_not_found(_: Request, exc: StoreNotFoundError) -> Response:
     # The store's message names the id; the answer stays the same for every
     # unknown or foreign id so that ids leak nothing.
@@ -220,6 +225,7 @@ def _unexpected(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     ApiError: _api_error,
     SessionBusyError: _session_busy,
+    StorageQuotaError: _storage_quota,
     StoreUnavailableError: _store_unavailable,
     UnconfirmedWriteError: _store_unconfirmed,
     StoreNotFoundError: _store_not_found,

@@ -1,23 +1,29 @@
 """What the handlers of both APIs read from the store, and how they write a session.
 
-Reads: a session, a branch of it, a system prompt. Another tenant's record
-answers exactly like an unknown one (404), and so does a malformed id, which
-can name nothing. Writes to a session run under its turn lock (``locked_write``).
+Reads: a session, a branch of it, a page of its active branch, a system prompt.
+Another tenant's record answers exactly like an unknown one (404), and so does
+a malformed id, which can name nothing. Writes to a session run under its turn
+lock (``locked_write``).
 """
 
 from __future__ import annotations
 
 import secrets
 
-from chatsvc.api.shared.errors import NotFoundError
+from chatsvc.api.shared.errors import InvalidRequestError, NotFoundError
 from chatsvc.service import Services
 from chatsvc.store.branch_read import Branch
 from chatsvc.store.errors import MalformedIdError
+from chatsvc.store.keys import check_id
+from chatsvc.store.path_page import Order, PathPage
 from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
 
 UNKNOWN_SESSION = "no such session"
 UNKNOWN_MESSAGE = "no such message in this session"
 UNKNOWN_PROMPT = "no such system prompt"
+# A page of messages or items ends early once its stored records pass this many
+# bytes (at least one comes), so no page answer runs to megabytes.
+PAGE_MAX_BYTES = 2**20
 
 
 async def get_session(
@@ -41,6 +47,33 @@ async def read_branch(
     if branch is None:
         raise NotFoundError(UNKNOWN_SESSION if leaf_id is None else UNKNOWN_MESSAGE)
     return branch
+
+
+async def read_page(
+    services: Services,
+    tenant: TenantRecord,
+    session_id: str,
+    *,
+    limit: int,
+    after: str | None,
+    order: Order,
+) -> PathPage:
+    """A page of the active branch, read by position in the store (only the page), at
+    most ``PAGE_MAX_BYTES`` of records; 404 for an unknown session, 400 for an
+    ``after`` that is not on the branch."""
+    try:
+        check_id("session", session_id)
+    except InvalidInputError:  # a malformed id names nothing
+        raise NotFoundError(UNKNOWN_SESSION) from None
+    try:
+        page = await services.store.tree.page(
+            tenant.id, session_id, limit=limit, after=after, order=order, max_bytes=PAGE_MAX_BYTES
+        )
+    except InvalidInputError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    if page is None:
+        raise NotFoundError(UNKNOWN_SESSION)
+    return page
 
 
 async def locked_write(services: Services, tenant: TenantRecord, session_id: str, write):

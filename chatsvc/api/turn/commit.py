@@ -16,7 +16,7 @@ from chatsvc.api.shared.rendering import format_chat
 from chatsvc.api.turn.prompt import PreparedTurn
 from chatsvc.service import Services
 from chatsvc.store import TurnLockLostError
-from chatsvc.store.errors import LimitExceededError
+from chatsvc.store.errors import LimitExceededError, StorageQuotaError
 from chatsvc.store.lock import RedisLock
 from chatsvc.store.records import MessageRecord, ResponseRecord, TenantRecord
 from chatsvc.store.records import Usage as UsageRecord
@@ -60,7 +60,7 @@ async def commit_turn(
 ) -> None:
     """Store the turn; 409 ``turn_lock_lost`` when the lock expired while it ran, 429
     when the session's messages (or a new session, the tenant's sessions) would pass
-    their cap."""
+    their cap, or its bytes a storage quota."""
     store = services.store
     # Shielded so a disconnect arriving during the write cannot cut its round trip in
     # half; the write itself is all-or-nothing in Redis either way. The request id
@@ -107,6 +107,10 @@ async def commit_turn(
             "failover longer than its TTL) and another turn may have taken over; "
             "this turn was not stored, send the message again",
             error_type="turn_lock_lost",
+        ) from None
+    except StorageQuotaError as exc:
+        raise RateLimitError(
+            f"{exc}; the turn was not stored, delete some sessions or branches first"
         ) from None
     except LimitExceededError as exc:
         what = "sessions" if turn.new_session else "of its branches"

@@ -75,3 +75,15 @@ def check_room(services: Services, context: TurnContext, adding: int) -> None:
             f"the session holds {context.num_nodes} messages; the limit is {limit}: "
             "delete some of its branches first"
         )
+
+
+async def check_storage(services: Services, tenant_id: str, session_id: str | None) -> None:
+    """429 before generating when the session (None: a new one) or its tenant already
+    stores its byte quota: the commit would refuse the turn after the model ran."""
+    limits = services.settings.limits
+    store = services.store
+    session_bytes, tenant_bytes = await store.sessions.storage(tenant_id, session_id)
+    if session_bytes >= limits.max_session_bytes:
+        raise RateLimitError(str(store.context.quota_error("session_quota")))
+    if tenant_bytes >= limits.max_tenant_bytes:
+        raise RateLimitError(str(store.context.quota_error("tenant_quota")))

@@ -35,7 +35,7 @@ from chatsvc.api.shared.errors import NotFoundError, RateLimitError, ServiceUnav
 from chatsvc.api.shared.generation import SampleResult, generate, record_finished
 from chatsvc.api.shared.store_access import UNKNOWN_SESSION, get_session
 from chatsvc.api.turn.commit import answer_record, commit_turn
-from chatsvc.api.turn.context import TurnContext, check_room, read_context
+from chatsvc.api.turn.context import TurnContext, check_room, check_storage, read_context
 from chatsvc.api.turn.hold import TurnHold, take_hold
 from chatsvc.api.turn.prompt import PreparedTurn, prepare_turn
 from chatsvc.api.turn.spec import StoredTurn, TurnSpec
@@ -80,6 +80,8 @@ async def begin_turn(
             # Read under the lock: the turn before this one may have finished since.
             context = await read_context(services, tenant, session_id, spec)
         check_room(services, context, len(spec.inputs) + 1)
+        if spec.store:
+            await check_storage(services, tenant.id, None if new_session else session_id)
         prepared = await prepare_turn(
             services, tenant, session_id, new_session, context, spec, sampling, requested
         )
