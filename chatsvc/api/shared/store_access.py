@@ -13,7 +13,7 @@ import secrets
 from chatsvc.api.shared.errors import InvalidRequestError, NotFoundError
 from chatsvc.service import Services
 from chatsvc.store.branch_read import Branch
-from chatsvc.store.errors import MalformedIdError
+from chatsvc.store.errors import InvalidInputError, MalformedIdError
 from chatsvc.store.keys import check_id
 from chatsvc.store.path_page import Order, PathPage
 from chatsvc.store.records import SessionRecord, SystemPromptRecord, TenantRecord
@@ -63,7 +63,7 @@ async def read_page(
     ``after`` that is not on the branch."""
     try:
         check_id("session", session_id)
-    except InvalidInputError:  # a malformed id names nothing
+    except MalformedIdError:  # a malformed id names nothing
         raise NotFoundError(UNKNOWN_SESSION) from None
     try:
         page = await services.store.tree.page(
