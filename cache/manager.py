@@ -334,9 +334,7 @@ class KVCacheManager:
         history = BlockChain(self.hasher, token_ids, namespace)
         keep_blocks = max(0, int(keep_tokens)) // self.block_size
         running = any(seq.owner == owner for seq in self._seqs.values())
-        result = forget(
-            self.tiers, history, owner, keep_blocks, owned_below, release=not running
-        )
+        result = forget(self.tiers, history, owner, keep_blocks, owned_below, release=not running)
         self._after_mutation()
         return result
 
