@@ -360,7 +360,7 @@ class DiskStepIO:
                 self.directory.block_path(BlockMeta(e.hash, e.parent_hash, e.owner, e.shared))
                 for e in entries
             ]
-            self.worker.submit(DeleteJob(paths))
+            self.worker.submit(DeleteJob(paths, self.directory.forgotten))
         if not barrier:
             return None
         job = BarrierJob()
