@@ -8,8 +8,15 @@ match can never name a half-written block.
 A block is keyed by its chained prefix hash, which already carries the tenant
 namespace. The entries form a forest through their parent hashes::
 
-    entries   hash -> DiskEntry(parent_hash, owner, shared, last_access)
+    entries   hash -> DiskEntry(parent_hash, owner, owners, shared, last_access)
     children  parent hash -> hashes of on-disk children
+
+``owner`` is the session that computed the block (it is in the file name);
+``owners`` the sessions known to use it (``PrefixNode.owners``, handed down
+when the block leaves memory; never b""). ``owners`` lives in memory only: a
+block found at start-up has none until a session uses it again, so deleting a
+session after a restart may drop a block another session had used (it
+recomputes it) but never keeps one for a session that was deleted.
 
 A block's parent need not be on disk itself (it may live only in memory, or
 its write may have been dropped): a prompt walks the memory tiers first and
@@ -38,12 +45,21 @@ SESSION, SHARED = 0, 1  # eviction classes: lower goes first
 class DiskEntry:
     """One block whose file is complete on disk."""
 
-    __slots__ = ("hash", "parent_hash", "owner", "shared", "last_access")
+    __slots__ = ("hash", "parent_hash", "owner", "owners", "shared", "last_access")
 
-    def __init__(self, hash_: bytes, parent_hash: bytes, owner: bytes, shared: bool, now: float):
+    def __init__(
+        self,
+        hash_: bytes,
+        parent_hash: bytes,
+        owner: bytes,
+        shared: bool,
+        now: float,
+        owners: Iterable[bytes] = (),
+    ):
         self.hash = hash_
         self.parent_hash = parent_hash
         self.owner = owner  # digest of the session that computed it (b"" for none)
+        self.owners = set(owners)
         self.shared = shared
         self.last_access = now
 
@@ -51,12 +67,15 @@ class DiskEntry:
 class PendingWrite:
     """A block whose file is being written."""
 
-    __slots__ = ("hash", "parent_hash", "owner", "shared", "doomed")
+    __slots__ = ("hash", "parent_hash", "owner", "owners", "shared", "doomed")
 
-    def __init__(self, hash_: bytes, parent_hash: bytes, owner: bytes, shared: bool) -> None:
+    def __init__(
+        self, hash_: bytes, parent_hash: bytes, owner: bytes, shared: bool, owners=()
+    ) -> None:
         self.hash = hash_
         self.parent_hash = parent_hash
         self.owner = owner
+        self.owners = set(owners)
         self.shared = shared
         self.doomed = False
 
@@ -119,7 +138,14 @@ class DiskIndex:
 
     # -- writes -------------------------------------------------------------------
 
-    def reserve(self, hash_: bytes, parent_hash: bytes, owner: bytes, shared: bool) -> Reservation:
+    def reserve(
+        self,
+        hash_: bytes,
+        parent_hash: bytes,
+        owner: bytes,
+        shared: bool,
+        owners: Iterable[bytes] = (),
+    ) -> Reservation:
         """Make room for one more block; on success the hash counts as writing.
 
         Evicts least recently used leaves of the same or a lower class; a session
@@ -140,7 +166,7 @@ class DiskIndex:
                 # Nothing was taken for this write; what was evicted is gone anyway.
                 return Reservation(False, tuple(evicted))
             evicted.append(victim)
-        self.writing[hash_] = PendingWrite(hash_, parent_hash, owner, shared)
+        self.writing[hash_] = PendingWrite(hash_, parent_hash, owner, shared, owners)
         return Reservation(True, tuple(evicted))
 
     def finish_write(self, hash_: bytes, now: float, ok: bool) -> bool:
@@ -152,18 +178,32 @@ class DiskIndex:
         pending = self.writing.pop(hash_, None)
         if pending is None or not ok or pending.doomed:
             return False
-        self.add(hash_, pending.parent_hash, pending.owner, pending.shared, now)
+        self.add(hash_, pending.parent_hash, pending.owner, pending.shared, now, pending.owners)
         return True
 
-    def add(self, hash_: bytes, parent_hash: bytes, owner: bytes, shared: bool, now: float) -> None:
+    def add(
+        self,
+        hash_: bytes,
+        parent_hash: bytes,
+        owner: bytes,
+        shared: bool,
+        now: float,
+        owners: Iterable[bytes] = (),
+    ) -> None:
         """Index a complete file (a finished write, or one found at start-up)."""
         if hash_ in self.entries:
             return
-        entry = DiskEntry(hash_, parent_hash, owner, shared, now)
+        entry = DiskEntry(hash_, parent_hash, owner, shared, now, owners)
         self.entries[hash_] = entry
         self.children.setdefault(parent_hash, set()).add(hash_)
         if not self.children.get(hash_):
             self._push(entry)
+
+    def add_owners(self, hash_: bytes, owners: Iterable[bytes]) -> None:
+        """Sessions that used the block in memory (it leaves memory now)."""
+        found = self.describe(hash_)
+        if found is not None:
+            found.owners.update(owners)
 
     # -- reads --------------------------------------------------------------------
 
@@ -252,6 +292,9 @@ class DiskIndex:
             counted.setdefault(entry.parent_hash, set()).add(hash_)
             if hash_ in self.writing:
                 raise CacheIntegrityError(f"disk block {hash_.hex()[:8]} is stored and writing")
+        for found in (*self.entries.values(), *self.writing.values()):
+            if b"" in found.owners:
+                raise CacheIntegrityError(f"disk block {found.hash.hex()[:8]} has an empty owner")
         if counted != self.children:
             raise CacheIntegrityError("the disk tier's children map disagrees with its entries")
         # Only a budget lowered at run time may leave more than it allows, and then

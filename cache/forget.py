@@ -10,16 +10,22 @@ else still needs it::
                                       |            \\
     session B                         +-[ b4 ]      [ x6 ]  owner A, never stored
 
-    removed: x6, a5, a4 (deepest first); a3 stays (b4 hangs from it), so do
-    a2 and the public blocks of the shared system prompt
+    removed: x6, a5, a4 (deepest first); a3 stays (B uses it, b4 hangs from it),
+    so do a2 and the public blocks of the shared system prompt
 
-Walking deepest first, a candidate goes when it is private (never a block of
-a shared system prompt), no table references or pins it, and every child it
-has, in memory or on disk, was removed before it.
+Who uses a private block is known without asking the store: every sequence of
+a session adds the session's digest to the ``owners`` of each private block it
+computes or matches (``PrefixNode.owners``, handed to the disk tier's entry when
+the block leaves memory). Forgetting takes the session out of the owners of
+every candidate, then, walking deepest first, removes a candidate when it is
+private, no other session is among its owners, no table references or pins it,
+and every child it has, in memory or on disk, was removed before it. The cost
+is the chain's blocks and the owned ones below it, whatever the number of the
+tenant's other sessions.
 
-The structure cannot tell when another session's whole history is a prefix of
-this one (two sessions that began alike): the caller, which knows the live
-sessions, passes ``keep_blocks``, the leading blocks some other one shares.
+Forgetting text a session no longer holds (a deleted branch or message) skips
+the owner walk (the session's other branches hang below the same blocks) and
+keeps the leading ``keep_blocks`` that a branch left still holds.
 """
 
 from __future__ import annotations
@@ -55,21 +61,34 @@ class _Candidate:
 
 
 def forget(
-    tiers: TieredBlocks, history: BlockChain, owner: bytes, keep_blocks: int = 0
+    tiers: TieredBlocks,
+    history: BlockChain,
+    owner: bytes,
+    keep_blocks: int = 0,
+    owned_below: bool = True,
+    release: bool = True,
 ) -> ForgetResult:
-    """Remove the blocks of ``history`` and ``owner``'s blocks below it (see module doc)."""
+    """Remove the blocks of ``history`` past ``keep_blocks``, and with ``owned_below``
+    ``owner``'s blocks below it, that no one else uses (see module doc).
+
+    ``release``: take ``owner`` out of the candidates' owners (False while a
+    sequence of that owner still runs: it keeps using them).
+    """
     disk = tiers.disk
     chain = _cached_blocks(tiers, history)
     candidates = {h: c for h, c in chain.items() if c.depth >= keep_blocks}
     num_kept = len(chain) - len(candidates)
-    if owner:
+    if owner and owned_below:
         _add_owned_descendants(tiers, chain, candidates, owner)
     removed: set[bytes] = set()
     num_device = num_host = 0
     disk_blocks: list = []
     for cand in sorted(candidates.values(), key=lambda c: c.depth, reverse=True):
         node = cand.node
-        if cand.public or not _children(tiers, cand.hash, node) <= removed:
+        if _used_by_others(tiers, cand, owner, release) or cand.public:
+            num_kept += 1
+            continue
+        if not _children(tiers, cand.hash, node) <= removed:
             num_kept += 1
             continue
         if node is not None:
@@ -88,6 +107,21 @@ def forget(
                 disk_blocks.append(gone)
         removed.add(cand.hash)
     return ForgetResult(num_device, num_host, tuple(disk_blocks), num_kept)
+
+
+def _used_by_others(tiers, cand: _Candidate, owner: bytes, release: bool) -> bool:
+    """Whether a session other than ``owner`` uses the block (in memory or on disk);
+    with ``release``, ``owner`` stops counting as one of its users first."""
+    found = [cand.node.owners] if cand.node is not None else []
+    entry = tiers.disk.describe(cand.hash) if tiers.disk is not None else None
+    if entry is not None:
+        found.append(entry.owners)
+    others = False
+    for owners in found:
+        if release:
+            owners.discard(owner)
+        others = others or bool(owners - {owner})
+    return others
 
 
 def owner_digest(tenant_salt: bytes, session_key: str) -> bytes:

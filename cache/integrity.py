@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .errors import CacheIntegrityError
+from .namespace import PUBLIC_KEY
 from .prefix_index import DEVICE, HOST
 
 
@@ -37,6 +38,11 @@ def check_integrity(tiers, seqs, block_size: int) -> None:
         for node in seq.pinned:
             pins[id(node)] += 1
         last = seq.last_node
+        node = last
+        while seq.owner and node is not tiers.index.root and node.parent is not None:
+            if node.ns_key != PUBLIC_KEY and seq.owner not in node.owners:
+                _fail(f"seq {seq.seq_id!r}: its owner is not among the owners of {node!r}")
+            node = node.parent
         if last is not tiers.index.root and (
             tiers.index.nodes.get(last.hash) is not last or last.location != DEVICE
         ):
@@ -94,6 +100,8 @@ def _check_index(tiers, pins: Counter, block_size: int) -> None:
         parent = node.parent
         if parent is None or parent.children.get(node.hash) is not node:
             _fail(f"{node!r} is not its parent's child")
+        if b"" in node.owners:
+            _fail(f"{node!r}: the empty owner is among its owners")
         if len(node.token_ids) != block_size:
             _fail(f"{node!r} holds {len(node.token_ids)} token ids")
         if node.pins != pins.get(id(node), 0):

@@ -213,6 +213,8 @@ class KVCacheManager:
         released_host: list[int] = []
         for node in matched:
             node.last_access = tick
+            if owner and node.ns_key != PUBLIC_KEY:
+                node.owners.add(owner)
             if node.location == DEVICE:
                 tiers.ref_node(node)
                 table.append(node.block_id)
@@ -305,25 +307,34 @@ class KVCacheManager:
                     node.token_ids,
                     node.ns_key == PUBLIC_KEY,
                     node.owner,
+                    frozenset(node.owners),
                 )
             )
         return out
 
     def forget(
-        self, token_ids, namespace: Namespace, owner: bytes = b"", keep_tokens: int = 0
+        self,
+        token_ids,
+        namespace: Namespace,
+        owner: bytes = b"",
+        keep_tokens: int = 0,
+        owned_below: bool = True,
     ) -> ForgetResult:
         """Delete a conversation's blocks from every tier unless something else uses them.
 
-        ``token_ids``: the conversation's tokens; ``owner``: its session digest,
-        whose blocks below that chain (unacknowledged turns) go too. Blocks of
-        shared system prompts, blocks in use, and blocks another chain hangs
-        from are kept (``cache.forget``), and so are the blocks wholly inside
-        the first ``keep_tokens`` (what another live session shares). The disk
-        blocks returned are already out of the index; the caller deletes their files.
+        ``token_ids``: the conversation's tokens; ``owner``: its session digest. With
+        ``owned_below`` (a deleted session) the owner's blocks below that chain
+        (unacknowledged turns) go too. Blocks of shared system prompts, blocks in
+        use, blocks another session uses (their ``owners``) and blocks another chain
+        hangs from are kept (``cache.forget``), and so are the blocks wholly inside
+        the first ``keep_tokens`` (what a branch left shares). The disk blocks
+        returned are already out of the index; the caller deletes their files.
+        Costs O(the chain's and the owned blocks + live sequences).
         """
         history = BlockChain(self.hasher, token_ids, namespace)
         keep_blocks = max(0, int(keep_tokens)) // self.block_size
-        result = forget(self.tiers, history, owner, keep_blocks)
+        running = any(seq.owner == owner for seq in self._seqs.values())
+        result = forget(self.tiers, history, owner, keep_blocks, owned_below, release=not running)
         self._after_mutation()
         return result
 

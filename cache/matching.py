@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .chain import BlockChain
 from .memory_tiers import TieredBlocks
+from .namespace import PUBLIC_KEY
 from .prefix_index import HOST, PrefixNode
 from .sequence import Sequence
 
@@ -66,6 +67,8 @@ class PrefixMatcher:
             elif node.block_id != own:
                 tiers.pin(node)
                 seq.pinned.append(node)
+            if seq.owner and node.ns_key != PUBLIC_KEY:
+                node.owners.add(seq.owner)
             node.last_access = index.tick
             parent = node
             seq.num_indexed = i + 1

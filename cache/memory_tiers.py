@@ -18,7 +18,9 @@ plan, the node stays indexed with location "host") or, without a host tier,
 drops the node. A full host tier first drops its least recently used leaf.
 With a disk tier (``disk``), a dropped node that is not on disk yet is
 written there (a ``BlockStore`` the plan runs before anything reuses the
-block), so a block moves down a tier instead of being lost.
+block), so a block moves down a tier instead of being lost. A node leaving
+memory hands its ``owners`` to its disk copy (``_unindex``), so which sessions
+use a block is known in whichever tier holds it.
 """
 
 from __future__ import annotations
@@ -253,14 +255,20 @@ class TieredBlocks:
                 node.token_ids,
                 node.ns_key == PUBLIC_KEY,
                 node.owner,
+                frozenset(node.owners),
             )
         )
+
+    def _unindex(self, node: PrefixNode) -> None:
+        self.index.remove(node)
+        if self.disk is not None and node.owners:
+            self.disk.add_owners(node.hash, node.owners)
 
     def drop_cached_node(self, node: PrefixNode) -> None:
         """Remove a cached device leaf nobody references or pins; its block is freed."""
         parent = node.parent
         block = node.block_id
-        self.index.remove(node)
+        self._unindex(node)
         self.node_of_block[block] = None
         self.num_evictable -= 1
         self.device.release(block)
@@ -275,7 +283,7 @@ class TieredBlocks:
     def _drop_host_node(self, node: PrefixNode) -> None:
         parent = node.parent
         host_block = node.block_id
-        self.index.remove(node)
+        self._unindex(node)
         self.node_of_host_block[host_block] = None
         self.host.decref(host_block)
         self.host.release(host_block)
@@ -290,7 +298,7 @@ class TieredBlocks:
             order.extend(node.children.values())
         for node in reversed(order):
             if node is victim:
-                self.index.remove(node)
+                self._unindex(node)
             else:
                 self.plan_store(plan, node)
                 self._drop_host_node(node)

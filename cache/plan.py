@@ -20,6 +20,7 @@ class BlockStore(NamedTuple):
     location: "device" or "host" (the tier ``block_id`` belongs to).
     shared: the block lies wholly inside a shared system prompt.
     owner: digest of the session that computed it (b"" when none).
+    owners: the sessions that used it while in memory (``PrefixNode.owners``).
     """
 
     location: str
@@ -29,6 +30,7 @@ class BlockStore(NamedTuple):
     token_ids: tuple[int, ...]
     shared: bool
     owner: bytes
+    owners: frozenset[bytes] = frozenset()
 
 
 class CachePlan(NamedTuple):

@@ -48,7 +48,11 @@ class PrefixNode:
         leaf for eviction when this is 0.
     num_hits: how many times a prompt reused this block.
     owner: digest of the session whose request computed the block (b"": none);
-        deleting that session deletes the block unless others still use it.
+        it names the block's file and finds a session's unstored turns.
+    owners: digests of the sessions whose sequences computed or matched the block
+        since it entered memory (never b""). Invariant: it holds the owner of every
+        live sequence whose indexed chain runs through the node. Forgetting a
+        session takes it out of the set; a block goes only once no one else is in it.
     """
 
     __slots__ = (
@@ -64,6 +68,7 @@ class PrefixNode:
         "num_device_children",
         "num_hits",
         "owner",
+        "owners",
     )
 
     def __init__(self, hash_, parent, token_ids, ns_key, block_id, location, tick) -> None:
@@ -79,6 +84,7 @@ class PrefixNode:
         self.num_device_children = 0
         self.num_hits = 0
         self.owner = b""
+        self.owners: set[bytes] = set()
 
     def __repr__(self) -> str:
         return (

@@ -240,15 +240,15 @@ class AsyncEngine:
         return counts
 
     async def forget_tokens(
-        self, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
+        self, session: str, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
     ) -> dict[str, int]:
         """Delete one token history's KV past ``keep_tokens`` (see LLMEngine); returns
         the blocks removed per tier once their files are gone."""
-        counts, done = await self._call(
-            CallBetweenSteps(
-                lambda engine: engine.forget_tokens(token_ids, namespace, keep_tokens), Future()
-            )
-        )
+
+        def forget(engine: LLMEngine):
+            return engine.forget_tokens(session, token_ids, namespace, keep_tokens)
+
+        counts, done = await self._call(CallBetweenSteps(forget, Future()))
         if done is not None:
             await asyncio.wrap_future(done)
         return counts

@@ -33,6 +33,7 @@ from chatsvc.engine.allocator import keep_freed_memory
 from chatsvc.engine.chat_format import ChatFormat
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
+from chatsvc.engine.forgotten import ForgottenSessions
 from chatsvc.engine.kv_disk import open_disk_tier
 from chatsvc.engine.loader import LoadedModel, load_model
 from chatsvc.engine.logits_processing import LogitsState
@@ -139,6 +140,7 @@ class LLMEngine:
         self.sampling_defaults = read_sampling_defaults(loaded.path)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
+        self.forgotten = ForgottenSessions()
         # Block files below the memory tiers (None when off or unusable here). The step
         # sees the tier only as its StepIO; forgetting, stats and shutdown ask it directly.
         self.disk_tier = open_disk_tier(
@@ -211,6 +213,7 @@ class LLMEngine:
         """Wait up to ``wait_s`` for a disk job to end, then take in every ended one."""
         self.step_io.wait(wait_s)
         self.scheduler.finish_loads(self.step_io.finished_loads())
+        self.forget_late()
 
     @property
     def num_requests(self) -> int:
@@ -251,6 +254,7 @@ class LLMEngine:
             io.wait(IDLE_WAIT_S)  # nothing to compute until a load lands
         if completing:
             outputs.extend(self._sample_and_stop([s.seq for s in completing], logits))
+        self.forget_late()
         return outputs
 
     def _forward(
@@ -421,6 +425,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.forgotten.finished(seq)
         state = self._requests.get(seq.request.request_id)
         if state is None:
             return
@@ -443,6 +448,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.FINISHED
+                self.forgotten.finished(seq)
         return [StepOutput(request_id, None, error)]
 
     def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -519,6 +525,8 @@ class LLMEngine:
         future for the file deletions or None).
         """
         owner = owner_digest(namespace.tenant_salt, session)
+        # First: a sequence of the session that ends from now on is forgotten once freed.
+        self.forgotten.add(owner)
         chains = []
         outputs = []
         for request_id, state in list(self._requests.items()):
@@ -536,24 +544,44 @@ class LLMEngine:
         )
         return outputs, counts, done
 
-    def forget_tokens(self, token_ids: list[int], namespace, keep_tokens: int = 0) -> tuple:
-        """Delete the KV of one token history past its first ``keep_tokens`` (text a
-        session no longer holds: a deleted branch or message), in every tier.
+    def forget_late(self) -> None:
+        """Forget the chains of deleted sessions' sequences the cache has let go of
+        since (``chatsvc.engine.forgotten``); their files go in the background."""
+        for seq in self.forgotten.take_freed(self.cache.__contains__):
+            counts, _ = self._forget([seq.token_ids()], seq.request.namespace, seq.cache_owner, 0)
+            log.info("a deleted session's late sequence: KV blocks removed per tier %s", counts)
+
+    def forget_tokens(
+        self, session: str, token_ids: list[int], namespace, keep_tokens: int = 0
+    ) -> tuple:
+        """Delete the KV of one token history of ``session`` past its first
+        ``keep_tokens`` (text the session no longer holds: a deleted branch, message
+        or response), in every tier, unless another session uses it.
 
         Only the history's own blocks go, never what hangs below them (the session's
         other branches may). Returns (counts per tier, a future for the file deletions
         or None).
         """
-        return self._forget([list(token_ids)], namespace, b"", keep_tokens)
+        owner = owner_digest(namespace.tenant_salt, session)
+        return self._forget([list(token_ids)], namespace, owner, keep_tokens, owned_below=False)
 
-    def _forget(self, chains: list[list[int]], namespace, owner: bytes, keep_tokens: int):
+    def _forget(
+        self,
+        chains: list[list[int]],
+        namespace,
+        owner: bytes,
+        keep_tokens: int,
+        owned_below: bool = True,
+    ):
         counts = {"device": 0, "host": 0, "disk": 0, "kept": 0}
         done = None
         for chain in chains:
             if self.disk_tier is not None:
-                removed, done = self.disk_tier.forget(chain, namespace, owner, keep_tokens)
+                removed, done = self.disk_tier.forget(
+                    chain, namespace, owner, keep_tokens, owned_below
+                )
             else:
-                result = self.cache.forget(chain, namespace, owner, keep_tokens)
+                result = self.cache.forget(chain, namespace, owner, keep_tokens, owned_below)
                 removed = {
                     "device": result.device_blocks,
                     "host": result.host_blocks,

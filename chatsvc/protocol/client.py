@@ -206,14 +206,16 @@ class EngineClient(Protocol):
         self, session: str, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
     ) -> dict[str, int]:
         """Delete a session's KV from every tier (disk files included) except the first
-        ``keep_tokens`` tokens' blocks, which another session still uses; its running
-        requests end with an abort. Returns the blocks removed per tier."""
+        ``keep_tokens`` tokens' blocks and the blocks another session uses (the cache
+        knows which); its running requests end with an abort. Returns the blocks
+        removed per tier."""
         ...
 
     async def forget_tokens(
-        self, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
+        self, session: str, token_ids: list[int], namespace: Namespace, keep_tokens: int = 0
     ) -> dict[str, int]:
-        """Delete the KV of text a session no longer holds (a deleted branch or message):
-        the blocks of ``token_ids`` past the first ``keep_tokens`` tokens, in every
-        tier, never the blocks below them. Returns the blocks removed per tier."""
+        """Delete the KV of text ``session`` no longer holds (a deleted branch, message or
+        response): the blocks of ``token_ids`` past the first ``keep_tokens`` tokens that
+        no other session uses, in every tier, never the blocks below them. Returns the
+        blocks removed per tier."""
         ...

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from chatsvc.chat_client import iter_sse
-from tests.api.conftest import ACME_KEY, GLOBEX_KEY, keyspace, unique
+from tests.api.conftest import ACME_KEY, BLOCK_SIZE, GLOBEX_KEY, keyspace, unique
 
 
 @pytest.fixture
@@ -97,6 +97,27 @@ def test_items_responses_and_the_session_underneath(sdk, acme, model):
     assert acme.get(f"/sessions/{cid}").status_code == 404
     with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve(answer.id)
+
+
+TRIP = "Plan my trip: trains, hotels, food, weather, museums and walks for each day. " * 4
+
+
+def _ask(sdk, model, text, **kwargs):
+    return sdk.responses.create(
+        model=model, input=text, max_output_tokens=6, temperature=0, **kwargs
+    )
+
+
+def test_deleting_a_conversation_deletes_the_kv_of_its_text(sdk, model):
+    question = unique(TRIP)
+    cid = sdk.conversations.create().id
+    _ask(sdk, model, question, conversation=cid)
+    sdk.conversations.delete(cid)
+    again = _ask(sdk, model, question, store=False)  # the same prompt as the turn's
+    fresh = _ask(sdk, model, unique(TRIP), store=False)
+    head = fresh.usage.input_tokens_details.cached_tokens  # the template head, no more
+    assert again.usage.input_tokens_details.cached_tokens <= head + BLOCK_SIZE
+    assert again.usage.input_tokens > head + 5 * BLOCK_SIZE
 
 
 def test_added_items_are_stored_without_generating_and_rendered_by_the_next_turn(sdk, model):

@@ -43,7 +43,9 @@ def make(num_blocks=16, host=0, budget_blocks=1000, write_through=True):
 def persist(mgr, disk, stores):
     """What the engine does with a list of BlockStores: reserve, write, report."""
     for store in stores:
-        reservation = disk.reserve(store.hash, store.parent_hash, store.owner, store.shared)
+        reservation = disk.reserve(
+            store.hash, store.parent_hash, store.owner, store.shared, store.owners
+        )
         if reservation.granted:
             assert disk.finish_write(store.hash, mgr._clock(), ok=True)
 

@@ -418,6 +418,24 @@ def test_forgetting_a_session_aborts_its_running_turn_and_deletes_that_turn_too(
         engine.check_integrity()
 
 
+def test_a_turn_that_reaches_the_engine_after_its_session_was_deleted_leaves_no_kv(
+    smollm2_fp32, tmp_path
+):
+    """DELETE /sessions/{id} while a turn of it was on its way (locked, rendered, not
+    yet in the engine): the turn runs, and its blocks are forgotten once it ends."""
+    with engine_on(smollm2_fp32, config(tmp_path)) as engine:
+        _, _, history = converse(engine, 1, session="A")
+        outputs, _, done = engine.forget_session("A", history, NS)
+        done.result(timeout=60)
+        assert outputs == [] and engine.cache_stats()["indexed_blocks"] == 0
+        late = request("late", turn_prompt(engine, history, 1), 8, session="A")
+        run(engine, [late])
+        settle(engine)
+        assert engine.cache_stats()["indexed_blocks"] == 0
+        assert block_files(tmp_path) == []
+        engine.check_integrity()
+
+
 def test_an_idle_engine_still_takes_in_the_writes_its_last_step_queued(smollm2_fp32, tmp_path):
     """A request that ends in its prefill step queues its blocks' writes in that very
     step. Only the engine thread takes a finished write in (index entry, buffer

@@ -25,7 +25,7 @@ from chatsvc.engine.kv_disk.fileformat import (
     parse_name,
 )
 from chatsvc.engine.kv_disk.fingerprint import weights_digest
-from chatsvc.engine.kv_disk.jobs import MISSING, LoadJob, WriteJob
+from chatsvc.engine.kv_disk.jobs import MISSING, DeleteJob, LoadJob, WriteJob
 from tests.engine.kv_fs import read_only_dir
 
 BS = 16
@@ -152,6 +152,24 @@ def test_scan_finds_blocks_by_name_and_removes_crashed_writes(directory):
     assert [block.meta for block in found] == [META]
     assert not leftover.exists() and not misplaced.exists()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_deleted_block_whose_unlink_failed_is_not_found_at_the_next_start(directory, monkeypatch):
+    path = _write(directory, _pool())
+
+    def refuse(target, *args, **kwargs):
+        raise PermissionError(13, "refused", str(target))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "unlink", refuse)
+        job = DeleteJob([path], directory.forgotten)
+        job.run()
+    assert path.exists() and job.num_deleted == 0 and job.num_failed == 0
+    # The next start's rebuild skips the forgotten file and deletes it now.
+    assert directory.scan() == [] and not path.exists()
+    assert not directory.forgotten.exists()
+    path = _write(directory, _pool())  # computed again later: a block like any other
+    assert [block.meta for block in directory.scan()] == [META]
 
 
 def test_a_second_process_on_the_directory_is_refused(directory):

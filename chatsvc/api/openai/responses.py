@@ -44,7 +44,7 @@ from chatsvc.api.shared.errors import InvalidRequestError, NotFoundError, docume
 from chatsvc.api.shared.openapi_streams import StreamingOperation
 from chatsvc.api.shared.rendering import check_text
 from chatsvc.api.shared.sampling import build_sampling
-from chatsvc.api.shared.store_access import locked_write
+from chatsvc.api.shared.session_kv import delete_with_kv
 from chatsvc.api.turn.run import begin_turn, run_turn
 from chatsvc.api.turn.spec import StoredTurn, TurnSpec
 from chatsvc.service import Services
@@ -137,15 +137,17 @@ class ResponsesController(Controller):
         self, response_id: FromPath[str], services: ServicesDep, tenant: TenantDep
     ) -> ResponseDeleted:
         """Its messages go too unless a conversation holds them or another branch
-        (a later response, a regenerated answer) uses them."""
+        (a later response, a regenerated answer) uses them; so does the KV of the
+        text it removed, in every tier."""
         record = await _record(services, tenant, response_id)
-
-        async def write(lock, write_id):
-            return await services.store.responses.delete(
+        await delete_with_kv(
+            services,
+            tenant,
+            record.session_id,
+            lambda lock, write_id: services.store.responses.delete(
                 tenant.id, record.id, lock=lock, write_id=write_id
-            )
-
-        await locked_write(services, tenant, record.session_id, write)
+            ),
+        )
         return ResponseDeleted(id=record.id)
 
     @get(

@@ -4,6 +4,7 @@
         weight-digests.json         0600, remembered checkpoint digests
         <fingerprint hex>/          0700, one per model fingerprint
             lock                    0600, flock'ed by the one process using it
+            forgotten               0600, names of deleted blocks whose unlink failed
             00/ .. ff/              0700, by the hash's first byte
                 <hash>-<parent>-<owner>-<s|p>.kv   0600
 
@@ -105,11 +106,20 @@ class TierDirectory:
     def block_path(self, meta: BlockMeta) -> Path:
         return self.subdir(meta.hash) / file_name(meta)
 
+    @property
+    def forgotten(self) -> Path:
+        """The list of block files deleted (forgotten) whose unlink failed (``DeleteJob``)."""
+        return self.path / "forgotten"
+
     def scan(self) -> list[FoundBlock]:
         """Every block file (from names and mtimes only); leftovers of crashed writes go.
 
-        O(files): one directory listing per subdirectory and one stat per file.
+        O(files): one directory listing per subdirectory and one stat per file. A
+        file the ``forgotten`` list names is never found: its unlink is retried, and
+        the list keeps only the names still there.
         """
+        forgotten = self._read_forgotten()
+        still_there = []
         found = []
         for sub in os.scandir(self.path):
             if not sub.is_dir(follow_symlinks=False):
@@ -122,6 +132,12 @@ class TierDirectory:
                     if entry.name.startswith(TMP_PREFIX) or meta is not None:
                         _unlink(entry.path)  # a crashed write, or a file in the wrong place
                     continue
+                if entry.name in forgotten:
+                    try:
+                        _unlink(entry.path)
+                    except OSError:
+                        still_there.append(entry.name)
+                    continue
                 try:
                     stat = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -129,7 +145,27 @@ class TierDirectory:
                 if stat.st_mode & 0o777 != FILE_MODE:
                     os.chmod(entry.path, FILE_MODE)
                 found.append(FoundBlock(meta, stat.st_mtime))
+        if forgotten:
+            self._write_forgotten(still_there)
         return found
+
+    def _read_forgotten(self) -> set[str]:
+        try:
+            return set(self.forgotten.read_text().split())
+        except FileNotFoundError:
+            return set()
+
+    def _write_forgotten(self, names: list[str]) -> None:
+        if not names:
+            _unlink(str(self.forgotten))
+            return
+        tmp = self.path / f"{TMP_PREFIX}forgotten"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, "".join(f"{name}\n" for name in names).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.forgotten)
 
     # -- space --------------------------------------------------------------------
 

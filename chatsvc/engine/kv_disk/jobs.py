@@ -242,15 +242,23 @@ class PrefetchJob:
 
 
 class DeleteJob:
-    """Delete block files (a missing one is fine)."""
+    """Delete block files (a missing one is fine).
+
+    The index forgot them already, but the next start rebuilds it from the
+    directory: a file whose unlink fails is named in the tier's ``forgotten``
+    list (``TierDirectory.forgotten``), which that rebuild skips and retries.
+    """
 
     kind = "delete"
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path], forgotten: Path) -> None:
         self.paths = paths
+        self.forgotten = forgotten
         self.num_deleted = 0
+        self.num_failed = 0  # neither unlinked nor listed: the disk refused both
 
     def run(self) -> None:
+        failed = []
         for path in self.paths:
             try:
                 os.unlink(path)
@@ -258,7 +266,16 @@ class DeleteJob:
             except FileNotFoundError:
                 pass
             except OSError:
-                pass  # reported by its absence from num_deleted
+                failed.append(path.name)
+        if failed:
+            try:
+                fd = os.open(self.forgotten, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    os.write(fd, "".join(f"{name}\n" for name in failed).encode())
+                finally:
+                    os.close(fd)
+            except OSError:
+                self.num_failed += len(failed)
 
 
 class BarrierJob:

@@ -244,7 +244,9 @@ class DiskStepIO:
             if self._paused_until is not None and self.clock() < self._paused_until:
                 self.stats.dropped["write_error"] += 1
                 continue
-            reservation = index.reserve(store.hash, store.parent_hash, store.owner, store.shared)
+            reservation = index.reserve(
+                store.hash, store.parent_hash, store.owner, store.shared, store.owners
+            )
             self._delete(reservation.evicted)
             if not reservation.granted:
                 continue  # already stored or queued, or refused by the budget (counted)
@@ -334,12 +336,14 @@ class DiskStepIO:
 
     # -- deletion, shutdown, statistics --------------------------------------------
 
-    def forget(self, token_ids, namespace, owner: bytes, keep_tokens: int = 0):
-        """Remove a conversation's blocks (``cache.forget``) and delete their files.
+    def forget(
+        self, token_ids, namespace, owner: bytes, keep_tokens: int = 0, owned_below: bool = True
+    ):
+        """Remove a conversation's blocks (``KVCacheManager.forget``) and delete their files.
 
         Returns the counts and a future that completes once the files are gone.
         """
-        result = self.cache.forget(token_ids, namespace, owner, keep_tokens)
+        result = self.cache.forget(token_ids, namespace, owner, keep_tokens, owned_below)
         self.stats.deleted_blocks += len(result.disk_blocks)
         done = self._delete(result.disk_blocks, barrier=True)
         counts = {
@@ -356,7 +360,7 @@ class DiskStepIO:
                 self.directory.block_path(BlockMeta(e.hash, e.parent_hash, e.owner, e.shared))
                 for e in entries
             ]
-            self.worker.submit(DeleteJob(paths))
+            self.worker.submit(DeleteJob(paths, self.directory.forgotten))
         if not barrier:
             return None
         job = BarrierJob()
@@ -396,6 +400,7 @@ class DiskStepIO:
                         node.token_ids,
                         node.ns_key == PUBLIC_KEY,
                         node.owner,
+                        frozenset(node.owners),
                     )
                 ]
             )
