@@ -196,3 +196,28 @@ def test_weights_digest_follows_the_files_and_remembers_them(tmp_path):
     assert weights_digest(loaded, 0, memo) != first
     random = SimpleNamespace(path=None, name="random:tiny")
     assert weights_digest(random, 0, None) != weights_digest(random, 1, None)
+
+
+def test_weights_rewritten_with_their_size_and_mtime_kept_are_hashed_again(tmp_path):
+    """Regression: the remembered digest was trusted on size and mtime alone, so a
+    checkpoint rewritten in place with its mtime set back kept the old fingerprint
+    and the disk tier served KV computed with other weights."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"w" * 1000)
+    before = weights.stat()
+    loaded = SimpleNamespace(path=model, name="m")
+    memo = tmp_path / "memo.json"
+    first = weights_digest(loaded, 0, memo)
+    with weights.open("r+b") as f:  # in place: same inode, same size
+        f.write(b"x")
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    assert weights_digest(loaded, 0, memo) != first

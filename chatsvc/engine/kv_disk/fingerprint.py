@@ -11,8 +11,11 @@ fingerprint's files in a directory of its own, and every file's header
 repeats the fingerprint, checked on load.
 
 Weights digests hash the checkpoint files (``*.safetensors`` and
-``config.json``); they are remembered per file (size, mtime) in a small JSON
-file so a restart does not read gigabytes again. Random-weight models hash
+``config.json``); they are remembered per file in a small JSON file so a
+restart does not read gigabytes again. A remembered digest is trusted only while
+the file's identity is unchanged: its inode, size, mtime and ctime. The mtime
+alone can be set back by anyone who rewrites the file (``touch -d``, ``cp -p``,
+an unpacked archive), the ctime cannot: any write or ``utime`` moves it. Random-weight models hash
 their spec, seed and the torch version that generated them.
 """
 
@@ -67,12 +70,13 @@ def weights_digest(loaded, seed: int, memo_path: Path | None) -> str:
             continue
         stat = path.stat()
         key = str(path.resolve())
+        identity = [stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
         known = memo.get(key)
-        if known is not None and known[:2] == [stat.st_size, stat.st_mtime_ns]:
-            file_digest = known[2]
+        if known is not None and known[:-1] == identity:
+            file_digest = known[-1]
         else:
             file_digest = _file_digest(path)
-            memo[key] = [stat.st_size, stat.st_mtime_ns, file_digest]
+            memo[key] = [*identity, file_digest]
             changed = True
         digest.update(f"{path.name}:{file_digest};".encode())
     if changed:
