@@ -288,3 +288,31 @@ def test_chat_completions_carry_the_cache_key_and_log_caller_ids_only_as_hashes(
             max_tokens=2,
             prompt_cache_key="bad\nheader",
         )
+
+
+def test_input_items_read_only_their_page(api, sdk, model, monkeypatch):
+    """Regression (issue 25): every input message was read from Redis and the page cut in
+    Python; now only the page's messages are read."""
+    texts = [unique(f"Line {i}.") for i in range(4)]
+    created = sdk.responses.create(
+        model=model,
+        input=[{"role": "user", "content": t} for t in texts],
+        max_output_tokens=2,
+        temperature=0,
+    )
+    tree = api.services.store.tree
+    read = tree.messages_by_id
+    asked: list[list[str]] = []
+
+    async def spy(tenant_id, session_id, ids):
+        asked.append(list(ids))
+        return await read(tenant_id, session_id, ids)
+
+    monkeypatch.setattr(tree, "messages_by_id", spy)
+    newest = sdk.responses.input_items.list(created.id, limit=1)
+    assert [i.content[0].text for i in newest.data] == [texts[-1]] and newest.has_more
+    rest = sdk.responses.input_items.list(created.id, limit=2, after=newest.last_id)
+    assert [i.content[0].text for i in rest.data] == [texts[2], texts[1]] and rest.has_more
+    oldest = sdk.responses.input_items.list(created.id, order="asc", limit=10)
+    assert [i.content[0].text for i in oldest.data] == texts and not oldest.has_more
+    assert [len(ids) for ids in asked] == [1, 2, 4]

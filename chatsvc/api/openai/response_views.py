@@ -156,20 +156,32 @@ def stored_response_view(record: ResponseRecord, output: MessageRecord | None) -
     )
 
 
-def page_of(items: list[Item], *, after: str | None, limit: int, order: str) -> ItemList:
-    """One page of ``items`` (oldest first as given) in ``order``, after the item ``after``."""
+def page_window(
+    ids: list[str], *, after: str | None, limit: int, order: str
+) -> tuple[list[str], bool]:
+    """The ids of one page of ``ids`` (oldest first as given) in ``order``, after the id
+    ``after``, and whether more follow: a caller reads only the page's records."""
     if order not in ("asc", "desc"):
         raise InvalidRequestError("order must be 'asc' or 'desc'")
-    ordered = items if order == "asc" else items[::-1]
+    ordered = ids if order == "asc" else ids[::-1]
     if after is not None:
-        ids = [item.id for item in ordered]
-        if after not in ids:
+        if after not in ordered:
             raise InvalidRequestError(f"after names no item of this list: {after!r}")
-        ordered = ordered[ids.index(after) + 1 :]
-    page = ordered[:limit]
+        ordered = ordered[ordered.index(after) + 1 :]
+    return ordered[:limit], len(ordered) > limit
+
+
+def item_list(page: list[Item], has_more: bool) -> ItemList:
     return ItemList(
         data=page,
         first_id=page[0].id if page else None,
         last_id=page[-1].id if page else None,
-        has_more=len(ordered) > limit,
+        has_more=has_more,
     )
+
+
+def page_of(items: list[Item], *, after: str | None, limit: int, order: str) -> ItemList:
+    """One page of ``items`` (oldest first as given) in ``order``, after the item ``after``."""
+    by_id = {item.id: item for item in items}
+    ids, has_more = page_window(list(by_id), after=after, limit=limit, order=order)
+    return item_list([by_id[i] for i in ids], has_more)

@@ -35,8 +35,9 @@ from chatsvc.api.openai.response_views import (
     DEFAULT_PAGE,
     MAX_PAGE,
     ResponseMeta,
+    item_list,
     item_view,
-    page_of,
+    page_window,
     stored_response_view,
 )
 from chatsvc.api.shared.deps import ServicesDep, TenantDep
@@ -166,9 +167,9 @@ class ResponsesController(Controller):
     ) -> ItemList:
         """The messages the response was asked to answer (``order`` desc: newest first)."""
         record = await _record(services, tenant, response_id)
-        messages = await _messages(services, tenant, record, record.input_ids)
-        items = [item_view(m) for m in messages if m is not None]
-        return page_of(items, after=after, limit=limit, order=order)
+        ids, has_more = page_window(record.input_ids, after=after, limit=limit, order=order)
+        messages = await _messages(services, tenant, record, ids)  # the page's alone
+        return item_list([item_view(m) for m in messages if m is not None], has_more)
 
 
 async def _record(services: Services, tenant: TenantRecord, response_id: str) -> ResponseRecord:
