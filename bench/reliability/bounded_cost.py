@@ -60,6 +60,7 @@ class WitnessRun:
 @dataclass
 class EndpointRow:
     endpoint: str
+    shape: str
     witness: WitnessRun
     statuses: dict[int, int]
     attacker_problems: list[str]
@@ -99,8 +100,11 @@ async def witness_conversation(
 
 async def _attack(attacker: Attacker, endpoint: str, stop: asyncio.Event) -> None:
     unit = attacker.unit(endpoint)
-    while not stop.is_set():
-        await unit()
+    try:
+        while not stop.is_set():
+            await unit()
+    except Exception as exc:  # noqa: BLE001 - an answer this client cannot read is a finding
+        attacker.problems.append(f"{endpoint}: the attacker stopped: {type(exc).__name__}: {exc}")
 
 
 async def measure(
@@ -133,7 +137,8 @@ async def measure(
             statuses[status] = statuses.get(status, 0) + count
         problems += attacker.problems
     await attackers[0].clear()
-    return EndpointRow(endpoint, witness, statuses, problems, wall)
+    shape = attackers[0].shape(endpoint)
+    return EndpointRow(endpoint, shape, witness, statuses, problems, wall)
 
 
 async def run(args: argparse.Namespace, work_dir: Path) -> tuple[WitnessRun, list[EndpointRow]]:
@@ -204,6 +209,8 @@ def summary(solo: WitnessRun, rows: list[EndpointRow], bound: float) -> tuple[st
             f"{_gap_cells(row.witness.gaps_s, bound)}  {'yes' if identical else 'NO':>9}  "
             f"{row.wall_s:>6.0f}"
         )
+    for row in rows:
+        lines.append(f"  {row.endpoint}: {row.shape}")
     for row in rows:
         for problem in row.witness.problems + row.attacker_problems[:5]:
             lines.append(f"  {row.endpoint}: {problem}")

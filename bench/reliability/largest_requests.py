@@ -132,6 +132,27 @@ class Attacker:
         """The coroutine function that sends one round of ``endpoint``'s attack."""
         return getattr(self, f"_{endpoint}")
 
+    def shape(self, endpoint: str) -> str:
+        """The endpoint's request in words, once ``prepare`` has run."""
+        lim = self.limits
+        chat = (
+            f"{lim.max_messages} messages, {self.chat_chars} chars, max_tokens {lim.max_tokens_cap}"
+        )
+        items = f"{MAX_ITEMS_PER_CALL} items x {lim.max_message_chars} chars a call"
+        return {
+            "completions": f"{self.prompts} prompts x {self.prompt_len} ids, n {lim.max_n}, "
+            f"max_tokens {lim.max_tokens_cap}, logprobs and prompt_logprobs {MAX_LOGPROBS}",
+            "chat_completions": f"{chat}, n {lim.max_n}, top_logprobs {MAX_LOGPROBS}",
+            "responses": chat,
+            "tokenize": f"a {lim.max_message_chars * 4}-char prompt, token strings",
+            "session_messages": f"a {lim.max_message_chars}-char message, "
+            f"max_tokens {lim.max_tokens_cap}",
+            "conversation_items": f"{items}, until the session's quota, a new one",
+            "list_pages": f"/sessions x {MAX_SESSIONS_PAGE}, messages x {MAX_MESSAGES_PAGE}, "
+            f"items x {MAX_ITEMS_PAGE} of a full session",
+            "delete_session": f"one turn, then {items} to the quota, then DELETE",
+        }[endpoint]
+
     async def prepare(self, endpoint: str) -> None:
         """What the endpoint's attack needs in place before it is measured."""
         if endpoint == "completions":
