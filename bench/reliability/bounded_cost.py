@@ -235,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-blocks", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the prefill chunk")
     p.add_argument("--smoke", action="store_true", help="one endpoint, one short witness turn")
+    p.add_argument("--work-dir", type=Path, default=None, help="keep Redis and the log here")
     defaults = Limits(
         max_body_bytes=64_000,
         max_message_chars=2_000,
@@ -270,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bounded-cost-") as tmp:
-        solo, rows = asyncio.run(run(args, Path(tmp)))
+        work_dir = args.work_dir or Path(tmp)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        solo, rows = asyncio.run(run(args, work_dir))
     table, ok = summary(solo, rows, args.max_gap_s)
     limits = ", ".join(f"{k}={v}" for k, v in vars(args.limits).items())
     print(f"limits: {limits}; max_model_len={args.max_model_len}")
