@@ -38,17 +38,22 @@ def wants_prompt_logits(seq: Sequence) -> bool:
     return scores is not None and len(scores) < seq.num_prompt_tokens
 
 
+def _scored_from(item: ScheduledSequence) -> int | None:
+    """``lo``: the first position whose logits this step's ``item`` records for its
+    prompt (see the module doc), or None when it records none."""
+    seq = item.seq
+    if not wants_prompt_logits(seq):
+        return None
+    end = item.start + item.num_new_tokens
+    lo = max(item.start, len(seq.prompt_logprobs) - 1)
+    return lo if lo < min(end, seq.num_prompt_tokens - 1) else None
+
+
 def num_logit_rows(item: ScheduledSequence) -> int:
     """Logits rows this step's ``item`` needs: its trailing positions from ``lo`` (see the
     module doc), or 1 (its last token only)."""
-    seq = item.seq
-    if not wants_prompt_logits(seq):
-        return 1
-    end = item.start + item.num_new_tokens
-    lo = max(item.start, len(seq.prompt_logprobs) - 1)
-    if lo >= min(end, seq.num_prompt_tokens - 1):
-        return 1
-    return end - lo
+    lo = _scored_from(item)
+    return 1 if lo is None else item.start + item.num_new_tokens - lo
 
 
 def take_prompt_logprobs(
@@ -61,13 +66,16 @@ def take_prompt_logprobs(
     counts = [num_logit_rows(item) for item in items]
     if sum(counts) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows for {sum(counts)} asked")
-    if all(count == 1 for count in counts):
+    # By what the rows score, not by their count: a chunk of one prompt token has one
+    # row, which is both its prompt score and its last row.
+    scoring = [_scored_from(item) is not None for item in items]
+    if not any(scoring):
         return logits, {}
     failures: dict[int, Exception] = {}
     last_rows: list[int] = []
     offset = 0
     for index, (item, count) in enumerate(zip(items, counts, strict=True)):
-        if count > 1:
+        if scoring[index]:
             try:
                 _record(item, logits[offset : offset + count])
             except (ValueError, RuntimeError) as error:
