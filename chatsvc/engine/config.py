@@ -24,6 +24,9 @@ class SchedulerConfig:
     max_wait_steps: int = 64  # a sequence waiting longer than this goes first
     max_wait_s: float = 10.0  # ... or longer than this
     max_defer_steps: int = 4  # steps a request may wait for another's prefill of its prefix
+    # Split each step's token budget between the tenants with work in it (fairness.py);
+    # False: the first tenant in line may fill the step.
+    tenant_step_share: bool = True
 
     def validate(self) -> SchedulerConfig:
         """Raise ValueError on the first bad value; returns self."""
@@ -73,6 +76,7 @@ class EngineConfig:
     max_wait_steps: int = SchedulerConfig.max_wait_steps
     # 0: never wait for another request's prefill of a prefix
     max_defer_steps: int = SchedulerConfig.max_defer_steps
+    tenant_step_share: bool = SchedulerConfig.tenant_step_share
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
     num_threads: int | None = None  # torch intra-op threads; None: one per CPU core
@@ -93,6 +97,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_wait_steps=self.max_wait_steps,
             max_defer_steps=self.max_defer_steps,
+            tenant_step_share=self.tenant_step_share,
         )
 
     def validate(self) -> EngineConfig:

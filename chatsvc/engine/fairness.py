@@ -9,6 +9,16 @@ and a lone tenant still gets every slot (nothing is held back).
 
 A slot is one running sequence; a request with ``n`` samples holds ``n`` from its
 admission on, because its children fork from it once its prompt is computed.
+
+Fair slots are not enough for latency: a step costs about its token count, and
+one tenant's 64 decodes plus a full prefill chunk make every other tenant's next
+token wait for all of it. ``StepShares`` therefore splits the step's token
+budget evenly between the tenants that have work in it: with two tenants each
+may put at most half of ``max_num_batched_tokens`` into the step (its decodes
+included), so another tenant's inter-token gap is bounded by the cost of half a
+step whatever the first one sends. A lone tenant gets the whole budget, so a
+quiet server loses nothing; a tenant that uses less than its share leaves the
+rest unused rather than handing it on (that is the bound).
 """
 
 from __future__ import annotations
@@ -68,9 +78,33 @@ class FairQueue:
             del queues[tenant]
         return seq, may_defer
 
+    def drop_tenant(self, seq: Sequence) -> None:
+        """No more candidates of ``seq``'s tenant this step (its share is spent)."""
+        self._queues.pop(tenant_of(seq), None)
+
     def admit(self, seq: Sequence) -> None:
         """Charge ``seq``'s tenant for the slots it now holds."""
         tenant = tenant_of(seq)
         cost = slots_of(seq)
         self.loads[tenant] = self.loads.get(tenant, 0) + cost
         self.num_slots += cost
+
+
+class StepShares:
+    """Tokens each tenant may still put into the step being planned.
+
+    ``tenants`` are those with work in it; each gets ``budget // len(tenants)``
+    (at least one token, so nobody stalls). ``shared=False`` gives every tenant the
+    whole budget (the step's own budget still applies).
+    """
+
+    def __init__(self, budget: int, tenants: set[str], shared: bool = True) -> None:
+        self.share = max(1, budget // len(tenants)) if shared and tenants else budget
+        self.used: dict[str, int] = {}
+
+    def left(self, seq: Sequence) -> int:
+        return self.share - self.used.get(tenant_of(seq), 0)
+
+    def spend(self, seq: Sequence, tokens: int) -> None:
+        tenant = tenant_of(seq)
+        self.used[tenant] = self.used.get(tenant, 0) + tokens

@@ -1,7 +1,11 @@
 """Continuous batching: which sequences compute how many tokens in the next step.
 
 Each step has a token budget (``max_num_batched_tokens``) and a cap on running
-sequences (``max_num_seqs``). Order of business:
+sequences (``max_num_seqs``). When several tenants have work, the budget is split
+evenly between them (``StepShares`` in ``fairness.py``): each tenant's decodes,
+chunks and admissions below stop at its share, so one tenant's load cannot make
+a step, and with it another tenant's next token, as slow as a full budget.
+Order of business:
 
 1. Decode first: every running sequence that needs one token gets it (a slot
    from ``append_slots``), oldest first, so no prefill can stall a stream.
@@ -58,7 +62,7 @@ from collections.abc import Iterable
 from cache import BlockChain, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.config import SchedulerConfig
-from chatsvc.engine.fairness import FairQueue, slots_of
+from chatsvc.engine.fairness import FairQueue, StepShares, slots_of, tenant_of
 from chatsvc.engine.prompt_logprobs import wants_prompt_logits
 from chatsvc.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from chatsvc.engine.sequence import Sequence, SequenceStatus
@@ -144,17 +148,23 @@ class Scheduler:
         ticks = self._tick()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        shares = StepShares(budget, self._tenants_with_work(), self.config.tenant_step_share)
         scheduled_ids: set[int] = set()
 
-        for seq in list(self.running):
+        # Longest unscheduled first: when a tenant's share leaves some of its decodes
+        # out of a step, the ones left out go first in the next (stable: otherwise
+        # the running order).
+        for seq in sorted(self.running, key=lambda s: s.last_scheduled_step):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or not seq.is_decode:
                 continue
+            if shares.left(seq) < 1:
+                continue
             slots = self._append_decode_slot(seq, scheduled_ids, out)
             if slots is None:
                 continue
-            out.scheduled.append(ScheduledSequence(seq, 1, slots))
+            self._schedule(seq, 1, slots, out, shares)
             scheduled_ids.add(seq.seq_id)
             budget -= 1
 
@@ -163,15 +173,34 @@ class Scheduler:
                 break
             if seq.seq_id in scheduled_ids or seq.status is not SequenceStatus.RUNNING:
                 continue
-            chunk = min(seq.num_tokens_to_compute, budget)
+            chunk = min(seq.num_tokens_to_compute, budget, shares.left(seq))
+            if chunk < 1:
+                continue
             slots = self.cache.prefill_slots(seq.seq_id, chunk)
-            out.scheduled.append(ScheduledSequence(seq, chunk, slots))
+            self._schedule(seq, chunk, slots, out, shares)
             scheduled_ids.add(seq.seq_id)
             budget -= chunk
 
-        self._admit(budget, out, ticks)
+        self._admit(budget, out, ticks, shares)
         self._computed = bool(out.scheduled)
         return out
+
+    def _schedule(
+        self, seq: Sequence, chunk: int, slots: list[int], out: SchedulerOutput, shares: StepShares
+    ) -> None:
+        out.scheduled.append(ScheduledSequence(seq, chunk, slots))
+        shares.spend(seq, chunk)
+        seq.last_scheduled_step = self.num_steps
+
+    def _tenants_with_work(self) -> set[str]:
+        """Tenants that may compute in the next step: those running, and those waiting
+        while a sequence slot is free for them (a tenant that cannot be admitted
+        would only shrink the others' shares)."""
+        tenants = {tenant_of(seq) for seq in self.running if seq.status is SequenceStatus.RUNNING}
+        held = sum(slots_of(seq) for seq in [*self.running, *self.loading.values()])
+        if held < self.config.max_num_seqs:
+            tenants.update(tenant_of(seq) for seq in self.waiting)
+        return tenants
 
     def _tick(self) -> bool:
         """Advance the queue's clock, unless the last step only waited on disk loads.
@@ -231,7 +260,7 @@ class Scheduler:
             chain.extend(seq.output_token_ids[chain.num_tokens - seq.num_prompt_tokens :])
         return chain
 
-    def _admit(self, budget: int, out: SchedulerOutput, ticks: bool) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput, ticks: bool, shares: StepShares) -> None:
         if budget == 0 or not self.waiting:
             return
         urgent, ranked = self._ranked_waiting()
@@ -240,6 +269,9 @@ class Scheduler:
         queue = FairQueue(candidates, [*self.running, *self.loading.values()])
         while queue and budget > 0:
             seq, may_defer = queue.pop()
+            if shares.left(seq) < 1:
+                queue.drop_tenant(seq)
+                continue
             # A request with n above the cap still runs, alone, rather than never.
             if queue.num_slots and queue.num_slots + slots_of(seq) > self.config.max_num_seqs:
                 break
@@ -293,9 +325,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             queue.admit(seq)
-            chunk = min(seq.num_tokens_to_compute, budget)
+            chunk = min(seq.num_tokens_to_compute, budget, shares.left(seq))
             slots = self.cache.prefill_slots(seq.seq_id, chunk)
-            out.scheduled.append(ScheduledSequence(seq, chunk, slots))
+            self._schedule(seq, chunk, slots, out, shares)
             budget -= chunk
 
     def _ranked_waiting(self) -> tuple[list[Sequence], list[Sequence]]:

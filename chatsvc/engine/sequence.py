@@ -60,6 +60,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     waiting_since_step: int = 0  # scheduler step at which it (re-)entered the waiting queue
+    last_scheduled_step: int = 0  # the last scheduler step that gave it tokens
     num_preemptions: int = 0
     num_deferred_steps: int = 0  # steps admission skipped it to wait for a pending prefix
     was_admitted: bool = False

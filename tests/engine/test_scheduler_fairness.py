@@ -216,3 +216,94 @@ def test_every_request_finishes_and_the_cap_holds(requests, max_num_seqs, num_bl
     for parent in parents:
         assert len(parent.output_token_ids) == parent.sampling.max_tokens
     assert cache.stats_snapshot()["device"]["used"] == 0
+
+
+# --- the step's token budget, split between tenants (StepShares) ---------------------
+
+
+def tokens_by_tenant(out) -> dict[str, int]:
+    used: dict[str, int] = {}
+    for item in out.scheduled:
+        used[tenant_of(item.seq)] = used.get(tenant_of(item.seq), 0) + item.num_new_tokens
+    return used
+
+
+def one_step(sched, cache):
+    """Like ``step``, but returns the SchedulerOutput (sampling as ``step`` does)."""
+    out = sched.schedule()
+    sched.update_from_step(out.scheduled)
+    for item in out.scheduled:
+        if item.completes:
+            item.seq.append_token(7, 0.0)
+            if len(item.seq.output_token_ids) >= item.seq.sampling.max_tokens:
+                item.seq.status = SequenceStatus.FINISHED
+                sched.remove(item.seq)
+    cache.check_integrity()
+    return out
+
+
+def test_a_tenant_with_many_decodes_and_long_prompts_gets_half_the_step_beside_another():
+    cache, sched = make(max_num_seqs=64, budget=64)
+    # The attacker: 40 streams decoding, then 4 long prompts arriving.
+    streams = [submit(sched, "attacker", max_tokens=200, prompt_len=4) for _ in range(40)]
+    while any(not s.output_token_ids for s in streams):
+        one_step(sched, cache)
+    for _ in range(4):
+        submit(sched, "attacker", max_tokens=200, prompt_len=400)
+    witness = submit(sched, "witness", max_tokens=20, prompt_len=6)
+    witness_steps = 0
+    while witness.status is not SequenceStatus.FINISHED:
+        out = one_step(sched, cache)
+        used = tokens_by_tenant(out)
+        assert used.get("attacker", 0) <= 32, used  # half of the 64-token budget
+        # The witness computes in every step until it finishes: its gap is one step.
+        assert used.get("witness", 0) >= 1
+        witness_steps += 1
+    assert witness_steps == 20  # its prompt in one step, then one decode a step
+
+
+def test_the_attacker_takes_the_whole_step_without_the_share():
+    cache = KVCacheManager(512, BS, debug_checks=True)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64, tenant_step_share=False)
+    sched = Scheduler(cache, config)
+    for _ in range(4):
+        submit(sched, "attacker", max_tokens=50, prompt_len=400)
+    submit(sched, "witness", max_tokens=20, prompt_len=6)
+    one_step(sched, cache)
+    out = one_step(sched, cache)
+    assert tokens_by_tenant(out).get("attacker") == 64 - tokens_by_tenant(out).get("witness", 0)
+    assert tokens_by_tenant(out)["attacker"] > 32  # the share test above would fail here
+
+
+def test_a_lone_tenant_still_gets_the_whole_budget():
+    cache, sched = make(max_num_seqs=64, budget=64)
+    for _ in range(3):
+        submit(sched, "solo", max_tokens=4, prompt_len=100)
+    assert tokens_by_tenant(one_step(sched, cache)) == {"solo": 64}
+
+
+def test_decodes_left_out_by_the_share_go_first_next_step():
+    cache, sched = make(max_num_seqs=64, budget=32)
+    streams = [submit(sched, "attacker", max_tokens=100, prompt_len=1) for _ in range(24)]
+    one_step(sched, cache)  # all 24 prompts
+    submit(sched, "witness", max_tokens=100, prompt_len=1)
+    one_step(sched, cache)  # the witness's prompt beside 16 attacker decodes
+    # 24 attacker decodes, a share of 16 a step: none waits more than one step.
+    last_token_step = {s.seq_id: 0 for s in streams}
+    for number in range(1, 9):
+        before = {s.seq_id: len(s.output_token_ids) for s in streams}
+        out = one_step(sched, cache)
+        assert tokens_by_tenant(out) == {"attacker": 16, "witness": 1}
+        for s in streams:
+            if len(s.output_token_ids) > before[s.seq_id]:
+                assert number - last_token_step[s.seq_id] <= 2
+                last_token_step[s.seq_id] = number
+    assert all(number - last <= 1 for last in last_token_step.values())
+
+
+def test_a_tenant_waiting_without_a_free_slot_does_not_shrink_the_others_share():
+    cache, sched = make(max_num_seqs=1, budget=64)
+    submit(sched, "first", max_tokens=50, prompt_len=200)
+    one_step(sched, cache)
+    submit(sched, "second", max_tokens=4, prompt_len=6)  # no slot until the first finishes
+    assert tokens_by_tenant(one_step(sched, cache)) == {"first": 64}
