@@ -61,6 +61,7 @@ from kernels.cpu import native
 log = logging.getLogger(__name__)
 # How long an idle engine thread waits on the disk tier before it looks for commands.
 IO_POLL_S = 0.05
+THREAD_NAME = "chatsvc-engine"
 
 
 class AsyncEngine:
@@ -76,6 +77,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._warming = False  # a warm_up() call is running (stop() then does not join)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         # Set under _lock when the thread ends: no command is accepted after it.
@@ -97,13 +99,22 @@ class AsyncEngine:
         self._closed = False
         ready: Future = Future()
         self._thread = threading.Thread(
-            target=self._main, args=(ready,), name="chatsvc-engine", daemon=True
+            target=self._main, args=(ready,), name=THREAD_NAME, daemon=True
         )
         self._thread.start()
         try:
             await asyncio.wrap_future(ready)
+        except asyncio.CancelledError:
+            # Cancelled mid-load (a SIGTERM during start-up): a load cannot be
+            # interrupted, and the service must not wait for it. The thread sees
+            # _stopping once the load is done and ends by itself (a daemon: a process
+            # that exits first takes it along; ``serve`` then exits at once).
+            self._stopping = True
+            self._wake.set()
+            self._thread = None
+            raise
         except BaseException:
-            # Load failed, or start() was cancelled mid-load: let the thread end.
+            # The load failed: the thread is ending.
             self._stopping = True
             self._wake.set()
             await asyncio.to_thread(self._thread.join)
@@ -111,11 +122,19 @@ class AsyncEngine:
             raise
 
     async def stop(self) -> None:
-        """Abort everything in flight and join the engine thread."""
+        """Abort everything in flight and join the engine thread.
+
+        During the warm-up the thread is not joined: its current shape may take
+        seconds, no request is in flight and nothing needs storing, so a shutdown
+        does not wait; the thread ends by itself after that shape.
+        """
         if self._thread is None:
             return
         self._stopping = True
         self._wake.set()
+        if self._warming:
+            self._thread = None
+            return
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         for queue in self._queues.values():
@@ -204,6 +223,22 @@ class AsyncEngine:
             self._queues.pop(request.request_id, None)
             if not finished:
                 self._submit(AbortRequest(request.request_id))
+
+    async def warm_up(self) -> list[tuple[str, float]]:
+        """Run the step shapes the scheduler will use, within ``config.warm_up_s``, before
+        serving (engine/warmup.py); (shape, seconds) of each that ran. A stop in the
+        middle ends it after the shape running then."""
+
+        def warm(engine: LLMEngine):
+            shapes = engine.warm_up(self.config.warm_up_s, stop=lambda: self._stopping)
+            return [(shape.name, shape.seconds) for shape in shapes]
+
+        # Left set when the call is cancelled: the stop() that follows then does not
+        # wait for the shape running.
+        self._warming = True
+        shapes = await self._call(CallBetweenSteps(warm, Future()))
+        self._warming = False
+        return shapes
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id: its blocks are freed before the next step, and its

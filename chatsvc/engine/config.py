@@ -87,6 +87,8 @@ class EngineConfig:
     kv_disk_queue_blocks: int = 64  # block writes in flight; more are dropped, never waited for
     kv_disk_retry_s: int = 10  # writes pause this long after a write error
     kv_disk_load_threads: int = 2  # threads reading blocks back (one of them also writes)
+    # Seconds the warm-up before serving may take (engine/warmup.py); 0: none.
+    warm_up_s: float = 30.0
     data_dir: str | None = None
 
     @property
@@ -127,6 +129,8 @@ class EngineConfig:
             raise ValueError("kv_disk_queue_blocks must be >= 1 and kv_disk_retry_s >= 0")
         if self.kv_disk_load_threads < 1:
             raise ValueError(f"kv_disk_load_threads must be >= 1, got {self.kv_disk_load_threads}")
+        if not 0 <= self.warm_up_s <= 3600:
+            raise ValueError(f"warm_up_s must be 0..3600 seconds, got {self.warm_up_s}")
         return self
 
     def num_blocks_for(self, block_bytes: int) -> int:
@@ -175,6 +179,11 @@ def _parse(name: str, raw: str, annotation: str) -> object:
             raise ValueError(raw)
         if annotation.startswith("int"):
             return int(raw)
+        if annotation.startswith("float"):
+            value = float(raw)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(raw)
+            return value
         return raw
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a valid {annotation.split(' ')[0]}") from None

@@ -23,6 +23,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,7 @@ from chatsvc.engine.scheduler_output import ScheduledSequence
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.step_io import NoStepIO, StepIO
 from chatsvc.engine.threads import set_torch_threads
+from chatsvc.engine.warmup import WarmedShape, run_warm_up, warm_up_shapes
 from chatsvc.paths import kernels_dir
 from chatsvc.protocol import (
     CACHE_TIERS,
@@ -147,6 +149,16 @@ class LLMEngine:
             config, loaded, self.cache, self.runner.kv_pool, self.runner.host_pool
         )
         self.step_io: StepIO = NoStepIO() if self.disk_tier is None else self.disk_tier
+
+    def warm_up(self, budget_s: float, stop: Callable[[], bool] | None = None) -> list[WarmedShape]:
+        """Run the step shapes the scheduler will use, within ``budget_s`` seconds, before
+        any request (warmup.py): the cache and its statistics stay as they are.
+        ``stop()`` true ends it before the next shape."""
+        shapes = warm_up_shapes(
+            self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_context_len
+        )
+        pool = self.runner.kv_pool
+        return run_warm_up(self.model, pool, self.config.block_size, shapes, budget_s, stop)
 
     # -- requests -----------------------------------------------------------------
 

@@ -133,6 +133,12 @@ class EngineClient(Protocol):
         """Load the model and start serving; a load error is raised here."""
         ...
 
+    async def warm_up(self) -> list[tuple[str, float]]:
+        """After ``start``, before the first request: pay the first-call costs of the
+        step shapes the engine will run, leaving its cache and statistics as they are;
+        (shape, seconds) of each shape run."""
+        ...
+
     async def stop(self) -> None:
         """Abort everything in flight and stop."""
         ...
