@@ -72,15 +72,28 @@ class ThreadServer:
         asyncio.run(serve())
 
     def __enter__(self) -> ThreadServer:
+        """Start it; returns once it serves (its engine loaded and warmed up)."""
         self.thread.start()
         wait_until(
-            lambda: self.server.started or not self.thread.is_alive(),
+            lambda: self._serving() or not self.thread.is_alive(),
             self.startup_timeout_s,
             "the API server to start",
         )
-        if not self.server.started:
+        if not self._serving():
             raise RuntimeError("the API server failed to start (see the log above)")
         return self
+
+    def _serving(self) -> bool:
+        # uvicorn starts serving (the probes) before the engine is up (chatsvc/service.py).
+        if not self.server.started:
+            return False
+        services = getattr(self.app.state, "services", None)
+        if services is None or not hasattr(services, "engine_started"):
+            return True  # an app without chatsvc's services
+        if services.start_failure is not None:
+            self.server.should_exit = True
+            raise RuntimeError(f"the engine failed to start: {services.start_failure!r}")
+        return services.engine_started
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 
@@ -12,6 +13,8 @@ import sys
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE
 # uvicorn's own status for a start-up that failed (its lifespan raised).
 EXIT_STARTUP_FAILED = 3
+# The engine's thread (chatsvc.engine.async_engine.THREAD_NAME; not imported: torch).
+ENGINE_THREAD = "chatsvc-engine"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -37,21 +40,49 @@ def _serve(args: argparse.Namespace) -> int:
         )
     )
     died: list[BaseException] = []
+    failed: list[BaseException] = []
 
     def engine_died(error: BaseException) -> None:
         died.append(error)
         server.should_exit = True  # uvicorn's graceful shutdown, as on SIGTERM
 
-    # Runs after the app's lifespan has started the services.
-    app.on_startup.append(lambda app: app.state.services.engine.add_death_callback(engine_died))
+    def start_failed(error: BaseException) -> None:
+        failed.append(error)
+        server.should_exit = True
+
+    def watch(app) -> None:
+        # Runs once the app's lifespan has started the store; the engine comes up after.
+        services = app.state.services
+        services.engine.add_death_callback(engine_died)
+        services.on_start_failure.append(start_failed)
+
+    app.on_startup.append(watch)
     server.run()
     if died:
         print(
             "chatsvc: the engine thread died; exiting so a supervisor restarts the service",
             file=sys.stderr,
         )
-        return EXIT_ENGINE_DIED
-    return 0 if server.started else EXIT_STARTUP_FAILED
+        return _exit(EXIT_ENGINE_DIED)
+    return _exit(0 if server.started and not failed else EXIT_STARTUP_FAILED)
+
+
+def _exit(code: int) -> int:
+    """``code``, or the process's end now when a model load is still running.
+
+    A SIGTERM during the load leaves its thread behind (a load cannot be
+    interrupted, and the shutdown did not wait for it); the interpreter's own exit
+    could then block on a lock that thread holds. Everything else is stopped and
+    flushed by now, so ending the process at once loses nothing.
+    """
+    import threading
+
+    if not any(t.name == ENGINE_THREAD and t.is_alive() for t in threading.enumerate()):
+        return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _chat(args: argparse.Namespace) -> int:

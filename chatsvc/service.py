@@ -1,15 +1,23 @@
 """Wiring: settings -> store + engine -> app. The app's lifespan owns both clients.
 
 Start order: Redis (embedded when no URL), the store (which applies pending
-migrations), tenants from the settings, then the engine (loads the model).
-Shutdown runs in reverse, and a failure at any start step undoes the earlier ones.
+migrations), tenants from the settings; then the app serves while the engine
+comes up in the background (loads the model, then warms up: engine/warmup.py),
+so ``/healthz`` answers at once, ``/readyz`` says which phase it is in, and a
+SIGTERM during the load stops the service without waiting for it. Every other
+route answers 503 until the engine serves (api/shared/startup_gate.py): a
+request during start-up would pay the cold start itself, or find no engine to
+forget a deleted session's KV. Shutdown runs in reverse, and a failure at any
+start step undoes the earlier ones; an engine that fails to start ends the
+service (``on_start_failure``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +72,14 @@ class Services:
     affinity: AffinityTracker = field(default_factory=AffinityTracker)
     tenants: TenantDirectory = field(default_factory=TenantDirectory)
     streams: StreamLimiter | None = None
+    # True once the engine serves (loaded and warmed), False again at shutdown.
     engine_started: bool = False
+    # While the engine comes up: what it is doing ("loading the model", "warming up");
+    # None once it serves or failed to start.
+    starting: str | None = "starting"
+    start_failure: BaseException | None = None
+    # Called once, on the event loop, when the engine fails to start.
+    on_start_failure: list[Callable[[BaseException], None]] = field(default_factory=list)
     # Unix time the service came up (the ``created`` of /v1/models).
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -125,14 +140,46 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
         )
         stack.push_async_callback(store.close)
         tenants = await bootstrap_tenants(store, settings)
-        engine = build_engine(settings)
+        # In a thread: importing the engine imports torch (seconds), and /healthz waits.
+        engine = await anyio.to_thread.run_sync(build_engine, settings)
         services = Services(settings=settings, store=store, engine=engine, tenants=tenants)
+        # Runs after the start task below is cancelled or done, before the store closes.
+        stack.push_async_callback(engine.stop)
+        bring_up = asyncio.create_task(start_engine(services), name="chatsvc-engine-start")
+        stack.push_async_callback(_cancel, bring_up)
+        # A dead or unstarted engine answers no command: /metrics then reports no tier
+        # gauges rather than waiting for it (/readyz says why).
+        services.metrics.sample_tiers_with(
+            lambda: tier_usage(engine.cache_stats()) if _serving(services) else {}
+        )
+        services.metrics.sample_tier_traffic_with(
+            lambda: engine.cache_stats() if _serving(services) else {}
+        )
+        try:
+            yield services
+        finally:
+            services.engine_started = False
+
+
+async def start_engine(services: Services) -> None:
+    """Load the model and warm the engine up; then it serves (``engine_started``).
+
+    A failure is logged, kept in ``start_failure`` and handed to ``on_start_failure``
+    (``serve`` exits): a replica that cannot serve must not stay up unready forever.
+    """
+    engine = services.engine
+    settings = services.settings
+    try:
+        services.starting = "loading the model"
+        began = time.perf_counter()
         await engine.start()
+        loaded = time.perf_counter() - began
         info = engine.info
         # The library's hash tells an operator which compiled kernels run inside the service.
         digest = info.kernel_library_sha256
         log.info(
-            "engine ready: %s, %s, kernels %s%s, %d KV blocks of %d tokens",
+            "engine loaded in %.1f s: %s, %s, kernels %s%s, %d KV blocks of %d tokens",
+            loaded,
             info.model_name,
             info.dtype,
             info.kernel_backend,
@@ -140,18 +187,39 @@ async def running_services(settings: Settings) -> AsyncIterator[Services]:
             info.num_gpu_blocks,
             info.block_size,
         )
-        services.engine_started = True
-        stack.push_async_callback(engine.stop)
-        # A dead engine answers no command: /metrics then reports no tier gauges
-        # rather than failing the scrape (/readyz says why).
-        services.metrics.sample_tiers_with(
-            lambda: tier_usage(engine.cache_stats()) if engine.is_running else {}
+        services.starting = "warming up"
+        began = time.perf_counter()
+        shapes = await engine.warm_up()
+        log.info(
+            "engine warmed up in %.1f s (budget %.1f s): %s",
+            time.perf_counter() - began,
+            settings.engine.warm_up_s,
+            ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in shapes) or "nothing",
         )
-        services.metrics.sample_tier_traffic_with(
-            lambda: engine.cache_stats() if engine.is_running else {}
-        )
-        yield services
-        services.engine_started = False
+    except asyncio.CancelledError:
+        services.starting = None
+        raise
+    except Exception as error:  # noqa: BLE001 - the service's end, reported below
+        log.critical("the engine failed to start; the service stops", exc_info=error)
+        services.starting = None
+        services.start_failure = error
+        for callback in services.on_start_failure:
+            callback(error)
+        return
+    services.starting = None
+    services.engine_started = True
+
+
+def _serving(services: Services) -> bool:
+    return services.engine_started and services.engine.is_running
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:

@@ -27,6 +27,8 @@ def engine_config(num_gpu_blocks: int, num_host_blocks: int) -> EngineConfig:
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=256,
         max_num_seqs=16,
+        # A few shapes, not all: every test server warms up (service.start_engine).
+        warm_up_s=1.0,
     )
 
 

@@ -15,6 +15,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
+from litestar.types import Scope
 
 import chatsvc
 from chatsvc.api.native.admin import AdminController
@@ -35,6 +36,7 @@ from chatsvc.api.shared.body_timeout import body_timeout_middleware
 from chatsvc.api.shared.content_type import json_only_middleware
 from chatsvc.api.shared.errors import EXCEPTION_HANDLERS
 from chatsvc.api.shared.host_check import allowed_hosts_middleware
+from chatsvc.api.shared.startup_gate import startup_gate_middleware
 from chatsvc.config import Settings
 from chatsvc.logs import RequestIdMiddleware
 from chatsvc.service import Services, running_services
@@ -44,9 +46,22 @@ def _provide_services(state: State) -> Services:
     return state.services
 
 
+def _starting(scope: Scope) -> str | None:
+    """The start-up phase the app is in, None once its engine serves."""
+    services: Services | None = getattr(scope["litestar_app"].state, "services", None)
+    if services is None:
+        return "starting"
+    if services.engine_started:
+        return None
+    if services.start_failure is not None:
+        return "the engine failed to start"
+    return services.starting or "stopping"
+
+
 def create_app(settings: Settings | None = None) -> Litestar:
     """The app for ``settings`` (default: from the environment). Nothing starts until
-    the ASGI lifespan does: then Redis, the store and the engine come up."""
+    the ASGI lifespan does: then Redis and the store come up, and the engine after
+    them while the app already answers its probes (service.py)."""
     settings = Settings.from_env() if settings is None else settings.validate()
 
     @asynccontextmanager
@@ -77,11 +92,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
         },
         exception_handlers=EXCEPTION_HANDLERS,
         # Outermost first: the request id is set before anything can log; a foreign
-        # Host is refused before any other check looks at the request; an oversized
-        # body is drained under the body deadline.
+        # Host is refused before any other check looks at the request; nothing but
+        # the probes is served before the engine is; an oversized body is drained
+        # under the body deadline.
         middleware=[
             RequestIdMiddleware,
             allowed_hosts_middleware(settings.host_allow_list()),
+            startup_gate_middleware(_starting),
             body_timeout_middleware(settings.limits.body_read_timeout_s),
             body_limit_middleware(settings.limits.max_body_bytes),
             json_only_middleware,

@@ -21,12 +21,13 @@ async def healthz() -> Health:
 
 @get(
     "/readyz",
-    summary="Redis answers PING and the engine is serving",
+    summary="Redis answers PING and the engine is loaded, warmed up and serving",
     tags=["health"],
     responses={503: ResponseSpec(Health, description="Not ready", generate_examples=False)},
 )
 async def readyz(services: ServicesDep) -> Response[Health]:
-    """200 when both are ready, else 503 with the failing check named."""
+    """200 when both are ready, else 503 with the failing check named (during start-up
+    the engine's check names the phase: "loading the model", "warming up")."""
     checks = {"engine": _engine_check(services)}
     try:
         await services.store.redis.ping()
@@ -41,8 +42,11 @@ async def readyz(services: ServicesDep) -> Response[Health]:
 
 
 def _engine_check(services: ServicesDep) -> str:
+    if services.start_failure is not None:
+        return f"failed to start: {type(services.start_failure).__name__}"
     if not services.engine_started:
-        return "not started"
+        # "loading the model", then "warming up" (service.start_engine).
+        return services.starting or "not started"
     failure = services.engine.failure
     if failure is not None:
         # The type only: this probe answers without auth.

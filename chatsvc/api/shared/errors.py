@@ -39,11 +39,19 @@ class ApiError(Exception):
     status_code = 400
     error_type = "invalid_request_error"
 
-    def __init__(self, message: str, *, error_type: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         if error_type is not None:
             self.error_type = error_type
+        # Sent with the answer (Retry-After on a 503 during start-up).
+        self.headers = headers
 
 
 class InvalidRequestError(ApiError):
@@ -141,7 +149,7 @@ def _json(
 
 
 def _api_error(_: Request, exc: ApiError) -> Response:
-    return _json(exc.status_code, exc.error_type, exc.message)
+    return _json(exc.status_code, exc.error_type, exc.message, exc.headers)
 
 
 def _session_busy(_: Request, exc: SessionBusyError) -> Response:
