@@ -173,6 +173,12 @@ async def main_async(args) -> None:
         )
         prompts = [r["prompt"] for r in runs["c", paced]]
         print(f"turn {turn + 1} prompts {min(prompts)}-{max(prompts)} tokens")
+        if paced:  # the one request a new engine serves first, with nothing queued before it
+            first = runs["c", paced][0]["ttft"]
+            print(
+                f"(c) the first request after the restart: {first * 1e3:.1f} ms "
+                f"= {first / a:.2f}x (a) p50 (target <= 1.3x)"
+            )
         disk_on = runs["c", paced]
         tiers = {
             t: sum(r["by_tier"].get(t, 0) for r in disk_on) for t in ("device", "host", "disk")
