@@ -191,7 +191,7 @@ async def main_async(args) -> None:
         )
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     parser.add_argument(
@@ -211,9 +211,13 @@ def main() -> None:
         help="how the last turn's requests arrive (one at a time: no queueing behind others)",
     )
     # The preset becomes the defaults, so a flag on the command line still wins.
-    shape = parser.parse_known_args()[0].shape
+    shape = parser.parse_known_args(argv)[0].shape
     parser.set_defaults(**SHAPES[shape])
-    asyncio.run(main_async(parser.parse_args()))
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    asyncio.run(main_async(parse_args()))
 
 
 if __name__ == "__main__":
