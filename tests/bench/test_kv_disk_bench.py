@@ -28,6 +28,16 @@ def run_bench(module: str, *args: str) -> str:
     return result.stdout
 
 
+def test_warm_restart_short_shape_presets_flags_and_yields_to_the_command_line():
+    from bench.kv_disk.warm_restart import parse_args
+
+    long, short = parse_args([]), parse_args(["--shape", "short", "--sessions", "8"])
+    assert (long.turns, long.min_history, long.max_history) == (4, 1000, None)
+    assert (short.turns, short.min_history, short.max_history) == (2, 200, 400)
+    assert short.sessions == 8 and short.min_tokens == short.max_tokens == 48
+    assert parse_args(["--turns", "3", "--shape", "short"]).turns == 3  # the flag wins
+
+
 def test_load_bandwidth_reads_back_every_block_exactly(tmp_path):
     out = run_bench("bench.kv_disk.load_bandwidth", "--blocks", "16", "--dir", str(tmp_path))
     assert "(16/16 verified, data exact)" in out
