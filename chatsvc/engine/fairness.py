@@ -90,21 +90,62 @@ class FairQueue:
         self.num_slots += cost
 
 
-class StepShares:
-    """Tokens each tenant may still put into the step being planned.
+# What a sequence's context costs in a step, in tokens (a token: one row through the
+# linears). Each row attends over the context (compute: one token per CONTEXT_PER_ROW
+# context tokens), and each sequence reads its context's K/V once per step (memory:
+# one token per CONTEXT_PER_READ). Measured on the 2-core EPYC in fp32, docs/engine.md
+# ("Step shares"): the read is what makes 64 decodes at 8k context a 2-second step.
+CONTEXT_PER_ROW = 4096
+CONTEXT_PER_READ = 512
 
-    ``tenants`` are those with work in it; each gets ``budget // len(tenants)``
-    (at least one token, so nobody stalls). ``shared=False`` gives every tenant the
-    whole budget (the step's own budget still applies).
+
+def step_cost(tokens: int, context: int) -> int:
+    """Cost in tokens of computing ``tokens`` new tokens of a sequence whose KV then
+    spans ``context`` tokens (this step's included)."""
+    return tokens + tokens * context // CONTEXT_PER_ROW + context // CONTEXT_PER_READ
+
+
+class StepShares:
+    """Cost each tenant may still put into the step being planned.
+
+    ``tenants`` are those with work in it; each gets ``budget // len(tenants)``.
+    With two tenants or more a sequence's work is counted by ``step_cost``, not by
+    its tokens alone: a step's time grows with the context its sequences attend
+    over, and a tenant's long-context decodes would otherwise make the step long
+    whatever its token count. A tenant's first sequence in a step always gets a
+    token, so nobody stalls. A lone tenant, or ``shared=False``, gets the whole
+    budget in plain tokens (the step's own token budget still applies).
     """
 
     def __init__(self, budget: int, tenants: set[str], shared: bool = True) -> None:
+        self.by_cost = shared and len(tenants) > 1
         self.share = max(1, budget // len(tenants)) if shared and tenants else budget
         self.used: dict[str, int] = {}
 
     def left(self, seq: Sequence) -> int:
         return self.share - self.used.get(tenant_of(seq), 0)
 
+    def fit(self, seq: Sequence, wanted: int) -> int:
+        """How many of ``wanted`` next tokens of ``seq`` its tenant's share still holds."""
+        left = self.left(seq)
+        if not self.by_cost:
+            return max(0, min(wanted, left))
+        if tenant_of(seq) not in self.used:
+            left = max(left, self._cost(seq, 1))  # the tenant's first token of the step
+        low, high = 0, wanted  # the most tokens whose cost fits: cost grows with tokens
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._cost(seq, mid) <= left:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def spend(self, seq: Sequence, tokens: int) -> None:
         tenant = tenant_of(seq)
-        self.used[tenant] = self.used.get(tenant, 0) + tokens
+        cost = self._cost(seq, tokens) if self.by_cost else tokens
+        self.used[tenant] = self.used.get(tenant, 0) + cost
+
+    @staticmethod
+    def _cost(seq: Sequence, tokens: int) -> int:
+        return step_cost(tokens, seq.num_computed_tokens + tokens)

@@ -159,7 +159,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or not seq.is_decode:
                 continue
-            if shares.left(seq) < 1:
+            if shares.fit(seq, 1) < 1:
                 continue
             slots = self._append_decode_slot(seq, scheduled_ids, out)
             if slots is None:
@@ -173,7 +173,7 @@ class Scheduler:
                 break
             if seq.seq_id in scheduled_ids or seq.status is not SequenceStatus.RUNNING:
                 continue
-            chunk = min(seq.num_tokens_to_compute, budget, shares.left(seq))
+            chunk = shares.fit(seq, min(seq.num_tokens_to_compute, budget))
             if chunk < 1:
                 continue
             slots = self.cache.prefill_slots(seq.seq_id, chunk)
@@ -325,7 +325,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             queue.admit(seq)
-            chunk = min(seq.num_tokens_to_compute, budget, shares.left(seq))
+            chunk = shares.fit(seq, min(seq.num_tokens_to_compute, budget))
+            if chunk < 1:
+                continue  # its cached context costs more than the share has left: next step
             slots = self.cache.prefill_slots(seq.seq_id, chunk)
             self._schedule(seq, chunk, slots, out, shares)
             budget -= chunk

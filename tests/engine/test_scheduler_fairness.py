@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from cache import KVCacheManager, Namespace
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
+from chatsvc.engine.fairness import StepShares, step_cost
 from chatsvc.engine.scheduler import Scheduler, SchedulerConfig
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.protocol import GenerationRequest, SamplingParams
@@ -33,10 +34,11 @@ def _sequence(request: GenerationRequest, index: int) -> Sequence:
     return Sequence(next(_ids), request, index, list(request.prompt_token_ids), detok, None)
 
 
-def submit(sched, tenant: str, *, max_tokens=1, n=1, prompt_len=6) -> Sequence:
-    """One request of ``tenant`` with a prompt no other request shares."""
+def submit(sched, tenant: str, *, max_tokens=1, n=1, prompt_len=6, prefix=()) -> Sequence:
+    """One request of ``tenant`` with a prompt no other request shares (but ``prefix``,
+    which it starts with)."""
     namespace = Namespace(tenant_salt=tenant.encode(), label=tenant)
-    prompt = [next(_tokens) for _ in range(prompt_len)]
+    prompt = [*prefix, *(next(_tokens) for _ in range(prompt_len))]
     sampling = SamplingParams(max_tokens=max_tokens, n=n)
     request = GenerationRequest(f"r{next(_ids)}", prompt, sampling, namespace, {"tenant": tenant})
     seq = _sequence(request, 0)
@@ -228,7 +230,7 @@ def tokens_by_tenant(out) -> dict[str, int]:
     return used
 
 
-def one_step(sched, cache):
+def one_step(sched, cache, check=True):
     """Like ``step``, but returns the SchedulerOutput (sampling as ``step`` does)."""
     out = sched.schedule()
     sched.update_from_step(out.scheduled)
@@ -238,7 +240,8 @@ def one_step(sched, cache):
             if len(item.seq.output_token_ids) >= item.seq.sampling.max_tokens:
                 item.seq.status = SequenceStatus.FINISHED
                 sched.remove(item.seq)
-    cache.check_integrity()
+    if check:
+        cache.check_integrity()
     return out
 
 
@@ -307,3 +310,53 @@ def test_a_tenant_waiting_without_a_free_slot_does_not_shrink_the_others_share()
     one_step(sched, cache)
     submit(sched, "second", max_tokens=4, prompt_len=6)  # no slot until the first finishes
     assert tokens_by_tenant(one_step(sched, cache)) == {"first": 64}
+
+
+# --- shares counted by cost: a step's time grows with the context it attends over ----
+
+
+def test_a_share_counts_a_sequences_context_not_only_its_tokens():
+    cache, sched = make(max_num_seqs=64, budget=512)
+    near, far = submit(sched, "a", prompt_len=6), submit(sched, "a", prompt_len=6)
+    other = submit(sched, "b", prompt_len=6)
+    near.num_computed_tokens, far.num_computed_tokens = 10, 8000
+    shares = StepShares(512, {"a", "b"})
+    # A decode at 8k context costs 1 + 8001 // 4096 + 8001 // 512 = 17 tokens.
+    assert step_cost(1, 8001) == 17 and step_cost(1, 11) == 1
+    assert shares.fit(far, 1) == 1
+    for _ in range(256 // 17):
+        shares.spend(far, 1)
+    assert shares.fit(far, 1) == 0  # 15 such decodes are the whole share of 256
+    assert shares.fit(near, 64) == 256 - 15 * 17  # a short context still fits by its tokens
+    # A tenant's first token of the step always fits; a lone tenant counts tokens.
+    other.num_computed_tokens = 50_000
+    assert shares.fit(other, 1) == 1
+    alone = StepShares(512, {"a"})
+    assert alone.fit(far, 512) == 512
+
+
+def test_long_context_decodes_of_one_tenant_do_not_fill_the_step_beside_another():
+    cache, sched = make(max_num_seqs=64, num_blocks=2000, budget=64)
+    # 24 streams over one cached 1,096-token history (the attacker's own), decoding.
+    history = [next(_tokens) for _ in range(1096)]
+    streams = [
+        submit(sched, "attacker", max_tokens=1000, prompt_len=4, prefix=history) for _ in range(24)
+    ]
+    while any(not s.output_token_ids for s in streams):
+        one_step(sched, cache)
+    witness = submit(sched, "witness", max_tokens=12, prompt_len=6)
+    decoded_at: dict[int, list[int]] = {s.seq_id: [] for s in streams}
+    number = 0
+    while witness.status is not SequenceStatus.FINISHED:
+        out = one_step(sched, cache)
+        number += 1
+        attacker = [item for item in out.scheduled if tenant_of(item.seq) == "attacker"]
+        # Each of those decodes reads 1,100 tokens of context or more: at least 3
+        # tokens' cost, so a share of 32 holds 10 of them (by tokens alone, 31).
+        cost = sum(step_cost(1, item.start + 1) for item in attacker)
+        assert cost <= 32 and len(attacker) <= 10, (cost, len(attacker))
+        assert tokens_by_tenant(out).get("witness", 0) >= 1
+        for item in attacker:
+            decoded_at[item.seq.seq_id].append(number)
+    # Left-out decodes go first next time: every stream still moves every few steps.
+    assert all(steps and steps[0] <= 3 for steps in decoded_at.values()), decoded_at
