@@ -106,14 +106,25 @@ def engine_config(args, **overrides) -> EngineConfig:
         values["kv_disk_load_threads"] = args.load_threads
     if args.kv_cache_bytes is not None:
         values["kv_cache_bytes"] = args.kv_cache_bytes
+    if args.warm_up_s is not None:
+        values["warm_up_s"] = args.warm_up_s
     values.update(overrides)
     return EngineConfig(**values)
 
 
 async def started(config: EngineConfig) -> AsyncEngine:
+    """A started engine, warmed up as the service warms it before it says ready."""
+    return (await started_timed(config))[0]
+
+
+async def started_timed(config: EngineConfig) -> tuple[AsyncEngine, float, float]:
+    """``started`` and its seconds: (engine, start incl. the disk index rebuild, warm-up)."""
     engine = AsyncEngine(config)
+    began = time.perf_counter()
     await engine.start()
-    return engine
+    loaded = time.perf_counter()
+    await engine.warm_up()
+    return engine, loaded - began, time.perf_counter() - loaded
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -158,6 +169,13 @@ def add_common_args(parser) -> None:
         type=int,
         default=None,
         help="disk tier budget (default: the tier's automatic one, a share of the free space)",
+    )
+    parser.add_argument(
+        "--warm-up-s",
+        type=float,
+        default=None,
+        help="the engines' warm-up budget before the first request (default: the "
+        "service's, CHATSVC_WARM_UP_S; 0: none, the engine as before the warm-up)",
     )
     parser.add_argument(
         "--kv-cache-bytes",
