@@ -104,6 +104,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
             json_only_middleware,
         ],
         lifespan=[lifespan],
+        # Logging is chatsvc.logs' (a request id on every line, written as it is
+        # logged). Litestar's own default would replace the root handler with a
+        # queue drained by a thread, in its own format: no request ids, and the
+        # last lines lost when uvicorn ends a SIGTERM by raising it again.
+        logging_config=None,
         request_max_body_size=settings.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(
             title="chatsvc",

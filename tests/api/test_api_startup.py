@@ -141,6 +141,10 @@ def test_sigterm_during_start_up_stops_at_once_and_keeps_the_store(tmp_path):
         history = http.get(f"/sessions/{sid}/messages").json()["messages"]
     first.send_signal(signal.SIGTERM)
     assert first.wait(60) in STOPPED_BY_SIGTERM
+    # The service's own log format (a request id on every line), written to the end.
+    lines = (tmp_path / "first.log").read_text().splitlines()
+    assert any("engine loaded in" in line and "[request_id=-]" in line for line in lines)
+    assert "Finished server process" in lines[-1], lines[-5:]
 
     # Each phase's end logs its line (service.start_engine): absent, it was not waited for.
     for phase, unfinished in [
