@@ -308,3 +308,88 @@ def test_twins_of_a_prompt_loading_from_disk_wait_for_it_instead_of_loading_it_a
         "host": 0,
         "disk": len(prefix),
     }
+
+
+def _disk_with(prompts):
+    """A disk index holding every full block of ``prompts``, as an earlier process left it."""
+    from cache.disk_index import DiskIndex
+
+    clock = itertools.count(1000).__next__
+    disk = DiskIndex(100, 100_000)
+    before, _ = make()
+    before.attach_disk(disk, clock)
+    for i, prompt in enumerate(prompts):
+        before.allocate(f"earlier{i}", [*prompt, 1], NS)
+        before.mark_computed(f"earlier{i}", len(prompt) + 1)
+    for store in before.take_stores():
+        assert disk.reserve(store.hash, store.parent_hash, store.owner, store.shared).granted
+        assert disk.finish_write(store.hash, clock(), ok=True)
+    return disk, clock
+
+
+# Sessions returning after a restart: one system prompt (2 blocks) and each one's own
+# history (4 blocks), all on disk.
+SYSTEM_PROMPT = list(range(900, 908))
+HISTORIES = [[*SYSTEM_PROMPT, *range(1000 + 100 * i, 1016 + 100 * i)] for i in range(3)]
+
+
+def _returning(**config):
+    disk, clock = _disk_with(HISTORIES)
+    cache, sched = make(**config)
+    cache.attach_disk(disk, clock)
+    seqs = [make_seq([*history, 5], max_tokens=2) for history in HISTORIES]
+    for seq in seqs:
+        sched.add(seq)
+    return cache, sched, seqs
+
+
+def test_twins_with_their_own_history_on_disk_load_it_in_the_same_round():
+    # The system prompt is pending (the first sequence loads it), but it is a third of
+    # what each twin loads: waiting for it would put their own blocks in a second round.
+    cache, sched, seqs = _returning()
+    out = sched.schedule()
+    assert [(seq, len(loads)) for seq, loads in out.loads] == [(seq, 6) for seq in seqs]
+    assert sched.num_deferrals == 0 and not sched.waiting
+    for seq in seqs:
+        sched.finish_loading(seq, 6)
+    out = step(sched, cache)
+    assert {item.seq for item in out.scheduled} == set(seqs)
+    assert [item.num_new_tokens for item in out.scheduled] == [1, 1, 1]
+    assert [seq.cached_by_tier["disk"] for seq in seqs] == [24, 24, 24]
+
+
+def test_sequences_whose_loads_landed_wait_for_the_rest_and_prefill_together():
+    cache, sched, seqs = _returning(max_load_gather_s=60.0)
+    sched.schedule()
+    sched.finish_loading(seqs[0], 6)
+    sched.finish_loading(seqs[1], 6)
+    for _ in range(3):  # the loop wakes per landed load: every wakeup waits
+        out = sched.schedule()
+        assert not out.scheduled and not out.loads
+    sched.finish_loading(seqs[2], 6)
+    out = step(sched, cache)
+    assert {item.seq for item in out.scheduled} == set(seqs)
+
+
+def test_the_wait_for_loads_is_bounded_and_never_holds_back_running_work():
+    cache, sched, seqs = _returning(max_load_gather_s=0.0)
+    sched.schedule()
+    sched.finish_loading(seqs[0], 6)
+    out = step(sched, cache)
+    assert [item.seq for item in out.scheduled] == seqs[:1]  # the bound has passed
+
+    cache, sched, seqs = _returning(max_load_gather_s=60.0)
+    sched.schedule()
+    sched.finish_loading(seqs[0], 6)
+    sched.finish_loading(seqs[1], 6)
+    sched.config = SchedulerConfig(max_load_gather_s=0.0)
+    step(sched, cache)  # both prefill and sample their first token: decodes now
+    sched.config = SchedulerConfig(max_load_gather_s=60.0)
+    sched.finish_loading(seqs[2], 6)  # lands while they decode: nothing waits
+    out = step(sched, cache)
+    assert {item.seq for item in out.scheduled} == set(seqs)
+
+
+def test_load_gather_config_validation():
+    with pytest.raises(ValueError, match="max_load_gather_s"):
+        SchedulerConfig(max_load_gather_s=-1.0).validate()
