@@ -30,12 +30,7 @@ Order of business:
    ``max_defer_steps`` times per sequence; preempted and aged sequences are
    never deferred. A prefix may also be on its way from disk (a LOADING
    sequence's blocks are pending too): steps that only wait on loads do not
-   count, for deferral or aging (``_tick``). A candidate whose own match
-   continues on disk through those pending blocks is not deferred when they are
-   at most half of what it would load (``_reads_ahead``): it reads them a second
-   time, and its own blocks load in the same round as its twin's instead of in
-   a second one after the twin's load and prefill (issue 31: eight sessions
-   returning at once with one system prompt).
+   count, for deferral or aging (``_tick``).
 
 Out of blocks: the cache already evicts unreferenced cached blocks itself (to
 the host tier when it has one). When that is not enough for a decode, the
@@ -50,14 +45,17 @@ hands back loads for those blocks (``SchedulerOutput.loads``). The sequence
 then holds its blocks and waits in LOADING (``loading``; never a preemption
 victim, never scheduled) while the disk tier reads them and other sequences
 step; once the step's I/O reports them ended (``finish_loads``) the verified
-ones count as computed and it joins the running list. Sequences that arrive
-together land one after another: while nothing runs but sequences whose loads
-just landed, and other loads are still in flight, the step computes and admits
-nothing for up to ``max_load_gather_s`` (``_gathers_loads``), so they prefill
-in one step, as they would have with a warm cache. Computing the first one alone
-would add a whole step (the model's weights read once more) to every other's
-first token: 235 ms for a 70-token prefill of SmolLM2 fp32 on a 2-core EPYC,
-against tens of ms for the rest of the reads.
+ones count as computed and it joins the running list. Sessions that arrive
+together with one system prompt land in two rounds (the first one's load, then
+its twins', deferred behind it, load their own blocks) and one by one within a
+round. While nothing runs but sequences whose loads landed and that have not
+computed yet, admission goes first, and if it only started loads (or nothing)
+while loads are in flight, the step computes nothing: for up to
+``max_load_gather_s`` (``_gathers_loads``), so they prefill in one step as they
+would have with a warm cache (issue 31). Computing the first one alone would add
+a whole step (the model's weights read once more) to every other's first token:
+235 ms for a 70-token prefill of SmolLM2 fp32 on a 2-core EPYC, against ~25 ms
+for the rest of the reads (8 sessions, 105 blocks, from the page cache).
 
 No deadlock: a request that could never fit (more blocks than the pool) is
 refused at submit time, so a sequence alone in the engine always fits; if the
@@ -71,7 +69,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from cache import BlockChain, KVCacheManager, PrefixMatch
+from cache import BlockChain, KVCacheManager
 from cache.errors import OutOfBlocksError
 from chatsvc.engine.config import SchedulerConfig
 from chatsvc.engine.fairness import FairQueue, StepShares, slots_of, tenant_of
@@ -86,22 +84,15 @@ from chatsvc.protocol import RequestTooLargeError
 MAX_RANKED_CANDIDATES = 64
 
 
-def _reads_ahead(match: PrefixMatch) -> bool:
-    """A candidate loads now rather than wait for pending blocks it finds on disk too.
-
-    Waiting saves reading them twice but costs a second round of loads behind the
-    first one and its prefill; it pays only when they are most of what it loads.
-    """
-    pending, disk = match.num_pending_tokens, match.num_disk_tokens
-    return disk >= pending and disk - pending >= pending
-
-
 class Scheduler:
     """Owns the waiting queue and the running list; talks to the cache, never to the model."""
 
-    def __init__(self, cache: KVCacheManager, config: SchedulerConfig) -> None:
+    def __init__(
+        self, cache: KVCacheManager, config: SchedulerConfig, clock=time.perf_counter
+    ) -> None:
         self.cache = cache
         self.config = config.validate()
+        self.clock = clock  # the bound of the wait for loads (tests step it)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[int, Sequence] = {}
@@ -174,12 +165,16 @@ class Scheduler:
         """Plan the next step; mutates the cache (slots, allocations, preemptions)."""
         ticks = self._tick()
         out = SchedulerOutput()
-        if self._gathers_loads():
-            self._computed = False
-            return out
         budget = self.config.max_num_batched_tokens
         shares = StepShares(budget, self._tenants_with_work(), self.config.tenant_step_share)
-        scheduled_ids: set[int] = set()
+        gathering = self._gathers_loads()
+        if gathering:
+            # Twins deferred behind the landed ones' loads start theirs now.
+            budget = self._admit(budget, out, ticks, shares)
+            if not out.scheduled and self.loading:
+                self._computed = False
+                return out
+        scheduled_ids = {item.seq.seq_id for item in out.scheduled}
 
         # Longest unscheduled first: when a tenant's share leaves some of its decodes
         # out of a step, the ones left out go first in the next (stable: otherwise
@@ -211,7 +206,8 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= chunk
 
-        self._admit(budget, out, ticks, shares)
+        if not gathering:
+            self._admit(budget, out, ticks, shares)
         self._computed = bool(out.scheduled)
         return out
 
@@ -234,17 +230,17 @@ class Scheduler:
         return tenants
 
     def _gathers_loads(self) -> bool:
-        """Whether this step waits for the loads in flight (see the module docstring).
+        """Whether this step may wait for the loads in flight (see the module docstring).
 
         Only while every running sequence is one whose loads landed and that has
         not computed since (no decode, no prefill under way is held back), and
-        for at most ``max_load_gather_s`` from the first step that waited.
+        for at most ``max_load_gather_s`` from the first step that could wait.
         """
         self._landed &= {seq.seq_id for seq in self.running}
-        if not self.loading or not self.running or len(self._landed) < len(self.running):
+        if not self.running or len(self._landed) < len(self.running):
             self._gather_until = None
             return False
-        now = time.perf_counter()
+        now = self.clock()
         if self._gather_until is None:
             self._gather_until = now + self.config.max_load_gather_s
         return now < self._gather_until
@@ -307,9 +303,10 @@ class Scheduler:
             chain.extend(seq.output_token_ids[chain.num_tokens - seq.num_prompt_tokens :])
         return chain
 
-    def _admit(self, budget: int, out: SchedulerOutput, ticks: bool, shares: StepShares) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput, ticks: bool, shares: StepShares) -> int:
+        """Admit waiting sequences into the step; returns the budget left."""
         if budget == 0 or not self.waiting:
-            return
+            return budget
         urgent, ranked = self._ranked_waiting()
         candidates = [(seq, False) for seq in urgent] + [(seq, True) for seq in ranked]
         # A loading sequence holds its slots (it runs once its loads land).
@@ -331,7 +328,6 @@ class Scheduler:
                 may_defer
                 and match.num_pending_tokens
                 and seq.num_deferred_steps < self.config.max_defer_steps
-                and not _reads_ahead(match)
             ):
                 seq.num_deferred_steps += ticks
                 self.num_deferrals += 1
@@ -377,6 +373,7 @@ class Scheduler:
             slots = self.cache.prefill_slots(seq.seq_id, chunk)
             self._schedule(seq, chunk, slots, out, shares)
             budget -= chunk
+        return budget
 
     def _ranked_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
         """Waiting sequences in admission order: (urgent, the rest ranked).

@@ -333,9 +333,10 @@ SYSTEM_PROMPT = list(range(900, 908))
 HISTORIES = [[*SYSTEM_PROMPT, *range(1000 + 100 * i, 1016 + 100 * i)] for i in range(3)]
 
 
-def _returning(**config):
+def _returning(now=lambda: 0.0, **config):
     disk, clock = _disk_with(HISTORIES)
-    cache, sched = make(**config)
+    cache = KVCacheManager(64, BS, debug_checks=True)
+    sched = Scheduler(cache, SchedulerConfig(**config), clock=now)
     cache.attach_disk(disk, clock)
     seqs = [make_seq([*history, 5], max_tokens=2) for history in HISTORIES]
     for seq in seqs:
@@ -343,51 +344,49 @@ def _returning(**config):
     return cache, sched, seqs
 
 
-def test_twins_with_their_own_history_on_disk_load_it_in_the_same_round():
-    # The system prompt is pending (the first sequence loads it), but it is a third of
-    # what each twin loads: waiting for it would put their own blocks in a second round.
-    cache, sched, seqs = _returning()
-    out = sched.schedule()
-    assert [(seq, len(loads)) for seq, loads in out.loads] == [(seq, 6) for seq in seqs]
-    assert sched.num_deferrals == 0 and not sched.waiting
-    for seq in seqs:
-        sched.finish_loading(seq, 6)
-    out = step(sched, cache)
-    assert {item.seq for item in out.scheduled} == set(seqs)
-    assert [item.num_new_tokens for item in out.scheduled] == [1, 1, 1]
-    assert [seq.cached_by_tier["disk"] for seq in seqs] == [24, 24, 24]
-
-
-def test_sequences_whose_loads_landed_wait_for_the_rest_and_prefill_together():
+def test_twins_load_their_own_blocks_while_the_first_waits_then_all_prefill_together():
     cache, sched, seqs = _returning(max_load_gather_s=60.0)
-    sched.schedule()
+    out = sched.schedule()
+    assert [(seq, len(loads)) for seq, loads in out.loads] == [(seqs[0], 6)]
+    assert sched.num_deferrals == 2  # the twins wait for the system prompt's blocks
     sched.finish_loading(seqs[0], 6)
-    sched.finish_loading(seqs[1], 6)
+    # The first one's prefill would make a step of its own: it waits while the twins
+    # (the system prompt now on the device) load their own histories.
+    out = sched.schedule()
+    assert not out.scheduled
+    assert [(seq, len(loads)) for seq, loads in out.loads] == [(seqs[1], 4), (seqs[2], 4)]
+    sched.finish_loading(seqs[1], 4)
     for _ in range(3):  # the loop wakes per landed load: every wakeup waits
         out = sched.schedule()
         assert not out.scheduled and not out.loads
-    sched.finish_loading(seqs[2], 6)
+    sched.finish_loading(seqs[2], 4)
     out = step(sched, cache)
     assert {item.seq for item in out.scheduled} == set(seqs)
+    assert [item.num_new_tokens for item in out.scheduled] == [1, 1, 1]
+    assert [seq.cached_by_tier["disk"] for seq in seqs] == [24, 16, 16]
+    assert [seq.cached_by_tier["device"] for seq in seqs] == [0, 8, 8]
 
 
 def test_the_wait_for_loads_is_bounded_and_never_holds_back_running_work():
     cache, sched, seqs = _returning(max_load_gather_s=0.0)
     sched.schedule()
     sched.finish_loading(seqs[0], 6)
-    out = step(sched, cache)
-    assert [item.seq for item in out.scheduled] == seqs[:1]  # the bound has passed
+    out = step(sched, cache)  # no wait: it computes beside the twins' loads
+    assert [item.seq for item in out.scheduled] == seqs[:1]
+    assert [seq for seq, _ in out.loads] == seqs[1:]
 
-    cache, sched, seqs = _returning(max_load_gather_s=60.0)
+    now = [100.0]
+    cache, sched, seqs = _returning(lambda: now[0], max_load_gather_s=0.1)
     sched.schedule()
     sched.finish_loading(seqs[0], 6)
-    sched.finish_loading(seqs[1], 6)
-    sched.config = SchedulerConfig(max_load_gather_s=0.0)
-    step(sched, cache)  # both prefill and sample their first token: decodes now
-    sched.config = SchedulerConfig(max_load_gather_s=60.0)
-    sched.finish_loading(seqs[2], 6)  # lands while they decode: nothing waits
+    assert not sched.schedule().scheduled  # the twins start loading, the first one waits
+    now[0] += 0.05
+    assert not step(sched, cache).scheduled
+    now[0] += 0.05  # the bound: it prefills and samples its first token, a decode now
+    assert [item.seq for item in step(sched, cache).scheduled] == seqs[:1]
+    sched.finish_loading(seqs[1], 4)  # lands while it decodes: nothing waits
     out = step(sched, cache)
-    assert {item.seq for item in out.scheduled} == set(seqs)
+    assert {item.seq for item in out.scheduled} == set(seqs[:2])
 
 
 def test_load_gather_config_validation():
