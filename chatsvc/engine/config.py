@@ -182,6 +182,8 @@ def _parse(name: str, raw: str, annotation: str) -> object:
             raise ValueError(raw)
         if annotation.startswith("int"):
             return int(raw)
+        if annotation.startswith("float"):
+            return float(raw)
         return raw
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a valid {annotation.split(' ')[0]}") from None
