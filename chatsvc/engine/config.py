@@ -24,6 +24,9 @@ class SchedulerConfig:
     max_wait_steps: int = 64  # a sequence waiting longer than this goes first
     max_wait_s: float = 10.0  # ... or longer than this
     max_defer_steps: int = 4  # steps a request may wait for another's prefill of its prefix
+    # How long sequences whose disk loads landed wait for the loads still in flight
+    # before they compute, when nothing else runs (Scheduler._gathers_loads); 0: never.
+    max_load_gather_s: float = 0.1
     # Split each step's token budget between the tenants with work in it (fairness.py);
     # False: the first tenant in line may fill the step.
     tenant_step_share: bool = True
@@ -38,6 +41,8 @@ class SchedulerConfig:
             raise ValueError("max_wait_steps and max_wait_s must be positive")
         if self.max_defer_steps < 0:
             raise ValueError("max_defer_steps must be >= 0")
+        if self.max_load_gather_s < 0:
+            raise ValueError("max_load_gather_s must be >= 0")
         return self
 
 
@@ -77,6 +82,7 @@ class EngineConfig:
     # 0: never wait for another request's prefill of a prefix
     max_defer_steps: int = SchedulerConfig.max_defer_steps
     tenant_step_share: bool = SchedulerConfig.tenant_step_share
+    max_load_gather_s: float = SchedulerConfig.max_load_gather_s
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
     num_threads: int | None = None  # torch intra-op threads; None: one per CPU core
@@ -100,6 +106,7 @@ class EngineConfig:
             max_wait_steps=self.max_wait_steps,
             max_defer_steps=self.max_defer_steps,
             tenant_step_share=self.tenant_step_share,
+            max_load_gather_s=self.max_load_gather_s,
         )
 
     def validate(self) -> EngineConfig:

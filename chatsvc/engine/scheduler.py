@@ -45,7 +45,16 @@ hands back loads for those blocks (``SchedulerOutput.loads``). The sequence
 then holds its blocks and waits in LOADING (``loading``; never a preemption
 victim, never scheduled) while the disk tier reads them and other sequences
 step; once the step's I/O reports them ended (``finish_loads``) the verified
-ones count as computed and it joins the running list.
+ones count as computed and it joins the running list. Sessions that arrive
+together with one system prompt land in two rounds (the first one's load, then
+its twins', deferred behind it, load their own blocks) and one by one within a
+round. While nothing runs but sequences whose loads landed and that have not
+computed yet, admission goes first, and if it only started loads (or nothing)
+while loads are in flight, the step computes nothing: for up to
+``max_load_gather_s`` (``_gathers_loads``), so they prefill in one step as they
+would have with a warm cache. Computing the first one alone would add a whole
+step (the model's weights read once more) to every other's first token, which
+costs far more than the reads it would overlap (docs/engine.md).
 
 No deadlock: a request that could never fit (more blocks than the pool) is
 refused at submit time, so a sequence alone in the engine always fits; if the
@@ -77,12 +86,19 @@ MAX_RANKED_CANDIDATES = 64
 class Scheduler:
     """Owns the waiting queue and the running list; talks to the cache, never to the model."""
 
-    def __init__(self, cache: KVCacheManager, config: SchedulerConfig) -> None:
+    def __init__(
+        self, cache: KVCacheManager, config: SchedulerConfig, clock=time.perf_counter
+    ) -> None:
         self.cache = cache
         self.config = config.validate()
+        self.clock = clock  # the bound of the wait for loads (tests step it)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[int, Sequence] = {}
+        # Running sequences whose loads landed and that have not computed since, and
+        # when the wait for the loads still in flight ends (_gathers_loads).
+        self._landed: set[int] = set()
+        self._gather_until: float | None = None
         self.num_steps = 0  # the queue's clock (aging, deferral): see _tick
         self._computed = True  # the last step computed something
         self.num_preemptions = 0
@@ -142,6 +158,7 @@ class Scheduler:
         seq.num_computed_tokens = done
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._landed.add(seq.seq_id)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; mutates the cache (slots, allocations, preemptions)."""
@@ -149,7 +166,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         shares = StepShares(budget, self._tenants_with_work(), self.config.tenant_step_share)
-        scheduled_ids: set[int] = set()
+        gathering = self._gathers_loads()
+        if gathering:
+            # Twins deferred behind the landed ones' loads start theirs now.
+            budget = self._admit(budget, out, ticks, shares)
+            if not out.scheduled and self.loading:
+                self._computed = False
+                return out
+        scheduled_ids = {item.seq.seq_id for item in out.scheduled}
 
         # Longest unscheduled first: when a tenant's share leaves some of its decodes
         # out of a step, the ones left out go first in the next (stable: otherwise
@@ -181,7 +205,8 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= chunk
 
-        self._admit(budget, out, ticks, shares)
+        if not gathering:
+            self._admit(budget, out, ticks, shares)
         self._computed = bool(out.scheduled)
         return out
 
@@ -189,6 +214,7 @@ class Scheduler:
         self, seq: Sequence, chunk: int, slots: list[int], out: SchedulerOutput, shares: StepShares
     ) -> None:
         out.scheduled.append(ScheduledSequence(seq, chunk, slots))
+        self._landed.discard(seq.seq_id)
         shares.spend(seq, chunk)
         seq.last_scheduled_step = self.num_steps
 
@@ -201,6 +227,22 @@ class Scheduler:
         if held < self.config.max_num_seqs:
             tenants.update(tenant_of(seq) for seq in self.waiting)
         return tenants
+
+    def _gathers_loads(self) -> bool:
+        """Whether this step may wait for the loads in flight (see the module docstring).
+
+        Only while every running sequence is one whose loads landed and that has
+        not computed since (no decode, no prefill under way is held back), and
+        for at most ``max_load_gather_s`` from the first step that could wait.
+        """
+        self._landed &= {seq.seq_id for seq in self.running}
+        if not self.running or len(self._landed) < len(self.running):
+            self._gather_until = None
+            return False
+        now = self.clock()
+        if self._gather_until is None:
+            self._gather_until = now + self.config.max_load_gather_s
+        return now < self._gather_until
 
     def _tick(self) -> bool:
         """Advance the queue's clock, unless the last step only waited on disk loads.
@@ -260,9 +302,10 @@ class Scheduler:
             chain.extend(seq.output_token_ids[chain.num_tokens - seq.num_prompt_tokens :])
         return chain
 
-    def _admit(self, budget: int, out: SchedulerOutput, ticks: bool, shares: StepShares) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput, ticks: bool, shares: StepShares) -> int:
+        """Admit waiting sequences into the step; returns the budget left."""
         if budget == 0 or not self.waiting:
-            return
+            return budget
         urgent, ranked = self._ranked_waiting()
         candidates = [(seq, False) for seq in urgent] + [(seq, True) for seq in ranked]
         # A loading sequence holds its slots (it runs once its loads land).
@@ -331,6 +374,7 @@ class Scheduler:
             slots = self.cache.prefill_slots(seq.seq_id, chunk)
             self._schedule(seq, chunk, slots, out, shares)
             budget -= chunk
+        return budget
 
     def _ranked_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
         """Waiting sequences in admission order: (urgent, the rest ranked).

@@ -32,6 +32,15 @@ def test_the_scheduler_config_is_built_from_the_engine_config_alone():
         EngineConfig(max_defer_steps=-1).validate()
 
 
+def test_the_wait_for_disk_loads_is_read_from_its_variable_as_seconds():
+    config = EngineConfig.from_env({"CHATSVC_MAX_LOAD_GATHER_S": "0.25"})
+    assert config.scheduler.max_load_gather_s == 0.25
+    with pytest.raises(ValueError, match="CHATSVC_MAX_LOAD_GATHER_S"):
+        EngineConfig.from_env({"CHATSVC_MAX_LOAD_GATHER_S": "soon"})
+    with pytest.raises(ValueError, match="max_load_gather_s"):
+        EngineConfig.from_env({"CHATSVC_MAX_LOAD_GATHER_S": "-1"})
+
+
 def test_the_engine_builds_its_kernels_in_its_data_dir(smollm2_fp32, tmp_path, monkeypatch):
     from chatsvc.engine.engine import LLMEngine
     from kernels.cpu import native

@@ -460,3 +460,60 @@ def test_an_idle_engine_still_takes_in_the_writes_its_last_step_queued(smollm2_f
             await engine.stop()
 
     asyncio.run(scenario())
+
+
+def session_requests(engine, histories, spaces, turn):
+    return [
+        request(f"s{i}", turn_prompt(engine, history, turn), ns=ns)
+        for i, (history, ns) in enumerate(zip(histories, spaces, strict=True))
+    ]
+
+
+def test_sessions_returning_together_prefill_in_one_step_after_their_loads(smollm2_fp32, tmp_path):
+    # Three sessions sharing the system prompt (public) come back at once after a
+    # restart: the first one loads it with its history, the twins wait for it and
+    # then load their own histories, and all three prefill together, not the first
+    # one alone a step before the others.
+    cfg = config(tmp_path, max_load_gather_s=30.0)
+    histories: list[list[int]] = [[], [], []]
+    with engine_on(smollm2_fp32, cfg) as first:
+        end = first.chat_format.tokenize("<|im_end|>\n")
+        num_system = len(first.chat_format.tokenize(SYSTEM))
+        spaces = [
+            Namespace(tenant_salt=f"s{i}".encode(), label=f"s{i}", shared_prefix_len=num_system)
+            for i in range(3)
+        ]
+        for turn in range(2):
+            reqs = session_requests(first, histories, spaces, turn)
+            results = run(first, reqs)
+            for i, r in enumerate(reqs):
+                out = results[r.request_id][0]
+                histories[i] = r.prompt_token_ids + out + end[int(out[-1] == end[0]) :]
+        settle(first)
+    reqs = session_requests(first, histories, spaces, 2)
+    expected = run(LLMEngine(config(enable_prefix_cache=False), loaded=smollm2_fp32), reqs)
+
+    with engine_on(smollm2_fp32, cfg) as engine:
+        plans = []
+        real_schedule = engine.scheduler.schedule
+
+        def recorded():
+            out = real_schedule()
+            plans.append(out)
+            return out
+
+        engine.scheduler.schedule = recorded
+        got = run(engine, reqs)
+        loads = [[seq.request.request_id for seq, _ in out.loads] for out in plans if out.loads]
+        assert loads == [["s0"], ["s1", "s2"]]
+        computing = next(out for out in plans if out.scheduled)
+        assert {item.seq.request.request_id for item in computing.scheduled} == {"s0", "s1", "s2"}
+        # Every session's own history came from disk, the system prompt from the
+        # first one's load.
+        by_tier = [got[f"s{i}"][1].metrics.cached_tokens_by_tier for i in range(3)]
+        assert by_tier[0]["device"] == 0 and by_tier[1]["device"] == by_tier[2]["device"] > 0
+        history = len(histories[0]) // 16 * 16 - 16
+        assert all(tiers["disk"] + tiers["device"] >= history for tiers in by_tier)
+    assert {r: tokens for r, (tokens, _) in got.items()} == {
+        r: tokens for r, (tokens, _) in expected.items()
+    }

@@ -308,3 +308,87 @@ def test_twins_of_a_prompt_loading_from_disk_wait_for_it_instead_of_loading_it_a
         "host": 0,
         "disk": len(prefix),
     }
+
+
+def _disk_with(prompts):
+    """A disk index holding every full block of ``prompts``, as an earlier process left it."""
+    from cache.disk_index import DiskIndex
+
+    clock = itertools.count(1000).__next__
+    disk = DiskIndex(100, 100_000)
+    before, _ = make()
+    before.attach_disk(disk, clock)
+    for i, prompt in enumerate(prompts):
+        before.allocate(f"earlier{i}", [*prompt, 1], NS)
+        before.mark_computed(f"earlier{i}", len(prompt) + 1)
+    for store in before.take_stores():
+        assert disk.reserve(store.hash, store.parent_hash, store.owner, store.shared).granted
+        assert disk.finish_write(store.hash, clock(), ok=True)
+    return disk, clock
+
+
+# Sessions returning after a restart: one system prompt (2 blocks) and each one's own
+# history (4 blocks), all on disk.
+SYSTEM_PROMPT = list(range(900, 908))
+HISTORIES = [[*SYSTEM_PROMPT, *range(1000 + 100 * i, 1016 + 100 * i)] for i in range(3)]
+
+
+def _returning(now=lambda: 0.0, **config):
+    disk, clock = _disk_with(HISTORIES)
+    cache = KVCacheManager(64, BS, debug_checks=True)
+    sched = Scheduler(cache, SchedulerConfig(**config), clock=now)
+    cache.attach_disk(disk, clock)
+    seqs = [make_seq([*history, 5], max_tokens=2) for history in HISTORIES]
+    for seq in seqs:
+        sched.add(seq)
+    return cache, sched, seqs
+
+
+def test_twins_load_their_own_blocks_while_the_first_waits_then_all_prefill_together():
+    cache, sched, seqs = _returning(max_load_gather_s=60.0)
+    out = sched.schedule()
+    assert [(seq, len(loads)) for seq, loads in out.loads] == [(seqs[0], 6)]
+    assert sched.num_deferrals == 2  # the twins wait for the system prompt's blocks
+    sched.finish_loading(seqs[0], 6)
+    # The first one's prefill would make a step of its own: it waits while the twins
+    # (the system prompt now on the device) load their own histories.
+    out = sched.schedule()
+    assert not out.scheduled
+    assert [(seq, len(loads)) for seq, loads in out.loads] == [(seqs[1], 4), (seqs[2], 4)]
+    sched.finish_loading(seqs[1], 4)
+    for _ in range(3):  # the loop wakes per landed load: every wakeup waits
+        out = sched.schedule()
+        assert not out.scheduled and not out.loads
+    sched.finish_loading(seqs[2], 4)
+    out = step(sched, cache)
+    assert {item.seq for item in out.scheduled} == set(seqs)
+    assert [item.num_new_tokens for item in out.scheduled] == [1, 1, 1]
+    assert [seq.cached_by_tier["disk"] for seq in seqs] == [24, 16, 16]
+    assert [seq.cached_by_tier["device"] for seq in seqs] == [0, 8, 8]
+
+
+def test_the_wait_for_loads_is_bounded_and_never_holds_back_running_work():
+    cache, sched, seqs = _returning(max_load_gather_s=0.0)
+    sched.schedule()
+    sched.finish_loading(seqs[0], 6)
+    out = step(sched, cache)  # no wait: it computes beside the twins' loads
+    assert [item.seq for item in out.scheduled] == seqs[:1]
+    assert [seq for seq, _ in out.loads] == seqs[1:]
+
+    now = [100.0]
+    cache, sched, seqs = _returning(lambda: now[0], max_load_gather_s=0.1)
+    sched.schedule()
+    sched.finish_loading(seqs[0], 6)
+    assert not sched.schedule().scheduled  # the twins start loading, the first one waits
+    now[0] += 0.05
+    assert not step(sched, cache).scheduled
+    now[0] += 0.05  # the bound: it prefills and samples its first token, a decode now
+    assert [item.seq for item in step(sched, cache).scheduled] == seqs[:1]
+    sched.finish_loading(seqs[1], 4)  # lands while it decodes: nothing waits
+    out = step(sched, cache)
+    assert {item.seq for item in out.scheduled} == set(seqs[:2])
+
+
+def test_load_gather_config_validation():
+    with pytest.raises(ValueError, match="max_load_gather_s"):
+        SchedulerConfig(max_load_gather_s=-1.0).validate()
