@@ -16,6 +16,12 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
 
+# Every service a test starts as a process (``python -m chatsvc serve``) inherits
+# this: a one-second warm-up, not the default's every shape (seconds per start, and
+# the restart and fleet suites start dozens). tests/live_service.py does the same
+# for in-process servers; tests/api/test_api_startup.py sets its own.
+os.environ.setdefault("CHATSVC_WARM_UP_S", "1")
+
 import pytest  # noqa: E402
 import redis  # noqa: E402
 
