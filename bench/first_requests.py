@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.live_server import REPO, free_port
+from bench.live_server import REPO, free_port, wait_until
 from bench.multiturn.client import RequestRecord, stream_chat
 from bench.multiturn.words import WORDS
 
@@ -74,18 +74,17 @@ def service_env(data_dir: Path, port: int, threads: int | None) -> dict[str, str
 
 def wait_for(process: subprocess.Popen, url: str, status: int | None, timeout_s: float) -> None:
     """Poll ``url`` until it answers (with ``status``, when given); raise if the service exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def answered() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"chatsvc exited with {process.returncode} before {url} answered")
         try:
-            answer = httpx.get(url, timeout=2.0)
-            if status is None or answer.status_code == status:
-                return
+            code = httpx.get(url, timeout=2.0).status_code
         except httpx.HTTPError:
-            pass
-        time.sleep(0.02)
-    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+            return False
+        return status is None or code == status
+
+    wait_until(answered, timeout_s, url)
 
 
 async def send_requests(base_url: str, args) -> list[RequestRecord]:

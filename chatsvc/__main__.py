@@ -13,8 +13,6 @@ import sys
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE
 # uvicorn's own status for a start-up that failed (its lifespan raised).
 EXIT_STARTUP_FAILED = 3
-# The engine's thread (chatsvc.engine.async_engine.THREAD_NAME; not imported: torch).
-ENGINE_THREAD = "chatsvc-engine"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -77,7 +75,11 @@ def _exit(code: int) -> int:
     """
     import threading
 
-    if not any(t.name == ENGINE_THREAD and t.is_alive() for t in threading.enumerate()):
+    # Not imported here when it is not loaded yet: it imports torch, and no engine
+    # thread can run without it.
+    engine = sys.modules.get("chatsvc.engine.async_engine")
+    name = getattr(engine, "THREAD_NAME", None)
+    if not any(t.name == name and t.is_alive() for t in threading.enumerate()):
         return code
     logging.shutdown()
     sys.stdout.flush()

@@ -15,6 +15,7 @@ service (``on_start_failure``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -82,6 +83,16 @@ class Services:
     on_start_failure: list[Callable[[BaseException], None]] = field(default_factory=list)
     # Unix time the service came up (the ``created`` of /v1/models).
     started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def not_serving(self) -> str | None:
+        """Why the engine does not serve (None once it does): the start-up phase it is
+        in, its failure to start, or "stopped" once shut down."""
+        if self.engine_started:
+            return None
+        if self.start_failure is not None:
+            return f"failed to start: {type(self.start_failure).__name__}"
+        return self.starting or "stopped"
 
     def __post_init__(self) -> None:
         if self.streams is None:
@@ -196,17 +207,14 @@ async def start_engine(services: Services) -> None:
             settings.engine.warm_up_s,
             ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in shapes) or "nothing",
         )
-    except asyncio.CancelledError:
-        services.starting = None
-        raise
     except Exception as error:  # noqa: BLE001 - the service's end, reported below
         log.critical("the engine failed to start; the service stops", exc_info=error)
-        services.starting = None
         services.start_failure = error
         for callback in services.on_start_failure:
             callback(error)
         return
-    services.starting = None
+    finally:
+        services.starting = None
     services.engine_started = True
 
 
@@ -216,10 +224,8 @@ def _serving(services: Services) -> bool:
 
 async def _cancel(task: asyncio.Task) -> None:
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass
 
 
 def tier_usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:

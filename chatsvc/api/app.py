@@ -49,13 +49,7 @@ def _provide_services(state: State) -> Services:
 def _starting(scope: Scope) -> str | None:
     """The start-up phase the app is in, None once its engine serves."""
     services: Services | None = getattr(scope["litestar_app"].state, "services", None)
-    if services is None:
-        return "starting"
-    if services.engine_started:
-        return None
-    if services.start_failure is not None:
-        return "the engine failed to start"
-    return services.starting or "stopping"
+    return "starting" if services is None else services.not_serving
 
 
 def create_app(settings: Settings | None = None) -> Litestar:

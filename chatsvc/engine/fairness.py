@@ -93,8 +93,8 @@ class FairQueue:
 # What a sequence's context costs in a step, in tokens (a token: one row through the
 # linears). Each row attends over the context (compute: one token per CONTEXT_PER_ROW
 # context tokens), and each sequence reads its context's K/V once per step (memory:
-# one token per CONTEXT_PER_READ). Measured on the 2-core EPYC in fp32, docs/engine.md
-# ("Step shares"): the read is what makes 64 decodes at 8k context a 2-second step.
+# one token per CONTEXT_PER_READ). Where the constants come from: docs/engine.md,
+# "Step shares count context".
 CONTEXT_PER_ROW = 4096
 CONTEXT_PER_READ = 512
 

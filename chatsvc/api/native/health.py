@@ -42,11 +42,9 @@ async def readyz(services: ServicesDep) -> Response[Health]:
 
 
 def _engine_check(services: ServicesDep) -> str:
-    if services.start_failure is not None:
-        return f"failed to start: {type(services.start_failure).__name__}"
-    if not services.engine_started:
-        # "loading the model", then "warming up" (service.start_engine).
-        return services.starting or "not started"
+    phase = services.not_serving  # "loading the model", then "warming up"
+    if phase is not None:
+        return phase
     failure = services.engine.failure
     if failure is not None:
         # The type only: this probe answers without auth.
