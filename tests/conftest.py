@@ -28,12 +28,26 @@ import redis  # noqa: E402
 from tests.redis_server import started_server  # noqa: E402
 
 # The suites that start their own servers run for minutes per file; handed out first,
-# they never start last and leave one worker running alone at the end.
+# they never start last and leave one worker running alone at the end. The longest
+# files go first of all (longest first): one that starts late runs on alone while the
+# other worker has finished, and the side channel's alone is a third of the suite.
+LONGEST_FILES = (
+    "tests/reliability/test_side_channel.py",
+    "tests/reliability/test_fuzz.py",
+    "tests/reliability/test_crash.py",
+)
 LONG_SUITES = ("tests/reliability/", "tests/scaleout/")
 
 
+def _order(item: pytest.Item) -> tuple[int, int]:
+    path = item.nodeid.split("::", 1)[0]
+    if path in LONGEST_FILES:
+        return (0, LONGEST_FILES.index(path))
+    return (1 if path.startswith(LONG_SUITES) else 2, 0)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG_SUITES))
+    items.sort(key=_order)  # stable: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")

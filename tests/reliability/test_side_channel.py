@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 PRIVATE_TRIALS = 300
 SHARED_TRIALS = 40
-TEXT_WORDS = 200  # single-token words: ~13 blocks a hit would skip
+TEXT_WORDS = 100  # single-token words: ~6 blocks a hit would skip
 BLOCK_SIZE = 16  # the reliability server's (tests/reliability/conftest.py)
 WORDS = (
     "time year people way day man thing woman life child world school state family student "
