@@ -28,8 +28,9 @@ each with the requests arriving all at once (the turn's TTFT is then mostly
 queueing behind the other sessions' new tokens) and, with ``--arrival both``
 (the default), again one at a time (each once the previous answer ended: the
 TTFT of one returning user), asking another question of the same histories.
-Every (c) runs on its own hard-linked snapshot of the directory taken before
-(a), and every (b) on a new engine, so no run's blocks help another. Prints
+Every (c) runs on its own hard-linked snapshot of the directory taken just before
+the (a) run it is compared with (so both start from the same blocks), and every (b)
+on a new engine, so no (b) or (c) run's blocks help another. Prints
 TTFT p50/p90 of that turn per run, the ratios against the targets (c within
 1.5x of (a), at least 5x under (b); issue 31's "ready means warm": c within 1.3x
 of (a) for every shape), and where (c)'s cached tokens came from.
@@ -116,13 +117,17 @@ async def main_async(args) -> None:
     phase1 = time.perf_counter() - start
     shortest = min(len(c.history) for c in convs)
     longest = max(len(c.history) for c in convs)
-    await settle(engine)
-    # One snapshot per (c) run, all taken before (a): no run's blocks reach another.
+    # One snapshot per (c) run, each taken just before the (a) run it is compared with:
+    # (c) then starts from the blocks (a) has, on disk instead of in memory. (The
+    # all-at-once turn completes each history's last block, which the one-at-a-time
+    # turn reuses: a snapshot from before it would lack that block and (a) not.)
     snaps = {paced: root / f"snapshot-{int(paced)}" for paced in arrivals}
-    num_files = [snapshot(live, snap) for snap in snaps.values()][0]
     turn = args.turns
     runs: dict[tuple[str, bool], list[dict]] = {}
+    num_files = {}
     for paced in arrivals:
+        await settle(engine)
+        num_files[paced] = snapshot(live, snaps[paced])
         runs["a", paced] = await last_turn(engine, convs, turn, args, f"a{int(paced)}-", paced)
     await engine.stop()
 
@@ -144,7 +149,8 @@ async def main_async(args) -> None:
     print(
         f"model={args.model} shape={args.shape} sessions={args.sessions} turns={args.turns} "
         f"max_tokens={args.max_tokens} phase1={phase1:.1f}s "
-        f"histories={shortest}-{longest} tokens files={num_files}"
+        f"histories={shortest}-{longest} tokens "
+        f"files={'/'.join(str(num_files[paced]) for paced in arrivals)}"
     )
     if shortest < args.min_history:
         print(f"WARNING: a history has {shortest} tokens, under --min-history {args.min_history}")
