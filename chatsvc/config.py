@@ -73,11 +73,18 @@ class Limits:
     # estimate from the request: n choices with logprobs of long prompts turn a small
     # body into a huge answer, built while the tenant's generation slot is held.
     max_response_bytes: int = 16 * 1024 * 1024
+    # Requests one tenant may start per second on one replica, in bursts of up to
+    # ``tenant_request_burst`` (a token bucket, chatsvc/api/shared/request_rate.py):
+    # past it 429 with Retry-After, before the body is read. 0: no limit.
+    tenant_requests_per_s: int = 50
+    tenant_request_burst: int = 100
 
     def validate(self) -> None:
         for name, value in vars(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+            lowest = 0 if name == "tenant_requests_per_s" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                what = "a non-negative" if lowest == 0 else "a positive"
+                raise SettingsError(f"{name} must be {what} integer, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.live_server import ProcessServer
-from bench.reliability.largest_requests import ENDPOINTS, Attacker
+from bench.reliability.largest_requests import ENDPOINTS, Attacker, PatientTransport
 from bench.reliability.soak import percentile
 from bench.reliability.sse import stream_turn
 from chatsvc.config import ENV_PREFIX, Limits
@@ -112,10 +112,13 @@ async def measure(
     attackers: list[Attacker],
     witness_http: httpx.AsyncClient,
     args: argparse.Namespace,
+    patience: PatientTransport,
 ) -> EndpointRow:
     for attacker in attackers:
         attacker.problems.clear()
+    patience.patient = True
     await attackers[0].prepare(endpoint)
+    patience.patient = False
     for attacker in attackers[1:]:
         attacker.chat_chars = attackers[0].chat_chars
         attacker.prompts, attacker.prompt_len = attackers[0].prompts, attackers[0].prompt_len
@@ -136,7 +139,9 @@ async def measure(
         for status, count in attacker.statuses.items():
             statuses[status] = statuses.get(status, 0) + count
         problems += attacker.problems
+    patience.patient = True
     await attackers[0].clear()
+    patience.patient = False
     shape = attackers[0].shape(endpoint)
     return EndpointRow(endpoint, shape, witness, statuses, problems, wall)
 
@@ -161,12 +166,19 @@ async def run(args: argparse.Namespace, work_dir: Path) -> tuple[WitnessRun, lis
 
 
 async def _drive(url: str, args: argparse.Namespace) -> tuple[WitnessRun, list[EndpointRow]]:
-    def client(key: str) -> httpx.AsyncClient:
+    def client(key: str, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
         return httpx.AsyncClient(
-            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600
+            base_url=url,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=600,
+            transport=transport,
         )
 
-    async with client(WITNESS_KEY) as witness_http, client(ATTACKER_KEY) as attacker_http:
+    patience = PatientTransport()
+    async with (
+        client(WITNESS_KEY) as witness_http,
+        client(ATTACKER_KEY, patience) as attacker_http,
+    ):
         model = (await attacker_http.get("/v1/models")).json()["data"][0]["id"]
         attackers = [
             Attacker(attacker_http, args.limits, args.max_model_len, model, seed)
@@ -179,7 +191,7 @@ async def _drive(url: str, args: argparse.Namespace) -> tuple[WitnessRun, list[E
         solo.problems += first.problems
         if first.answers != solo.answers:
             solo.problems.append(f"alone, the answers differ between runs: {first.answers!r}")
-        rows = [await measure(e, attackers, witness_http, args) for e in args.endpoints]
+        rows = [await measure(e, attackers, witness_http, args, patience) for e in args.endpoints]
     return solo, rows
 
 

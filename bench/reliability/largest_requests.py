@@ -9,6 +9,7 @@ like any other and is counted; only a 5xx or no answer at all is a problem.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,30 @@ MAX_SESSIONS_PAGE = 500
 MAX_MESSAGES_PAGE = 1000
 # Room left in the context for a random text's token count to vary between draws.
 CONTEXT_MARGIN = 0.9
+
+
+class PatientTransport(httpx.AsyncBaseTransport):
+    """While ``patient``, resends a request refused for the tenant's request rate (a 429
+    with ``Retry-After``) once that time has passed. The attack ignores the header, as
+    a hostile client would; its set-up and clean-up, which are not measured, wait."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.patient = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        while True:
+            response = await self.inner.handle_async_request(request)
+            retry_after = response.headers.get("retry-after")
+            if not (self.patient and response.status_code == 429 and retry_after):
+                return response
+            await response.aread()
+            await response.aclose()
+            await asyncio.sleep(float(retry_after))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
 
 ENDPOINTS = (
     "completions",

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
-from litestar.datastructures import State
+from litestar.datastructures import Headers, State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Scope
@@ -30,12 +30,13 @@ from chatsvc.api.openai.conversations import ConversationController
 from chatsvc.api.openai.models import ModelsController
 from chatsvc.api.openai.responses import ResponsesController
 from chatsvc.api.openai.tokenize import TokenizeController
-from chatsvc.api.shared.auth import provide_tenant
+from chatsvc.api.shared.auth import bearer_token, provide_tenant
 from chatsvc.api.shared.body_limit import body_limit_middleware
 from chatsvc.api.shared.body_timeout import body_timeout_middleware
 from chatsvc.api.shared.content_type import json_only_middleware
 from chatsvc.api.shared.errors import EXCEPTION_HANDLERS
 from chatsvc.api.shared.host_check import allowed_hosts_middleware
+from chatsvc.api.shared.request_rate import request_rate_middleware
 from chatsvc.api.shared.startup_gate import startup_gate_middleware
 from chatsvc.config import Settings
 from chatsvc.logs import RequestIdMiddleware
@@ -50,6 +51,19 @@ def _starting(scope: Scope) -> str | None:
     """The start-up phase the app is in, None once its engine serves."""
     services: Services | None = getattr(scope["litestar_app"].state, "services", None)
     return "starting" if services is None else services.not_serving
+
+
+def _tenant_of(scope: Scope) -> str | None:
+    """The tenant id a request acts as (the request-rate key), None when it carries no
+    tenant's key (the admin's, a wrong one, none)."""
+    services: Services | None = getattr(scope["litestar_app"].state, "services", None)
+    if services is None:
+        return None
+    if services.tenants.local is not None:
+        return services.tenants.local.id
+    token = bearer_token(Headers.from_scope(scope))
+    tenant = None if token is None else services.tenants.tenant_for_key(token)
+    return None if tenant is None else tenant.id
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
@@ -87,12 +101,18 @@ def create_app(settings: Settings | None = None) -> Litestar:
         exception_handlers=EXCEPTION_HANDLERS,
         # Outermost first: the request id is set before anything can log; a foreign
         # Host is refused before any other check looks at the request; nothing but
-        # the probes is served before the engine is; an oversized body is drained
-        # under the body deadline.
+        # the probes is served before the engine is; a tenant past its request rate
+        # is refused before its body is read; an oversized body is drained under the
+        # body deadline.
         middleware=[
             RequestIdMiddleware,
             allowed_hosts_middleware(settings.host_allow_list()),
             startup_gate_middleware(_starting),
+            request_rate_middleware(
+                settings.limits.tenant_requests_per_s,
+                settings.limits.tenant_request_burst,
+                _tenant_of,
+            ),
             body_timeout_middleware(settings.limits.body_read_timeout_s),
             body_limit_middleware(settings.limits.max_body_bytes),
             json_only_middleware,

@@ -34,6 +34,9 @@ TEST_LIMITS = Limits(
     max_streams_per_tenant=4,
     # Small, so a refused answer is cheap to ask for (test_api_response_size.py).
     max_response_bytes=500_000,
+    # One shared server, and tests that loop over hundreds of requests of one tenant;
+    # the request rate has its own server (tests/reliability/test_request_rate.py).
+    tenant_requests_per_s=0,
 )
 
 

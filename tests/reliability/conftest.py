@@ -43,6 +43,9 @@ RELIABILITY_LIMITS = Limits(
     max_n=2,
     max_sessions_per_tenant=200,
     max_streams_per_tenant=4,
+    # The suites send hundreds of requests a second from one tenant (the fuzzers, the
+    # side channel); the request rate has its own server (test_request_rate.py).
+    tenant_requests_per_s=0,
 )
 
 
