@@ -138,6 +138,14 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        # Requests past their tenant's request rate (chatsvc/api/shared/request_rate.py).
+        self.rate_limited = Counter(
+            "chatsvc_rate_limited_requests",
+            "Requests past their tenant's request rate: delayed (waited for their "
+            "token, then ran) or refused (429)",
+            ["outcome"],
+            registry=r,
+        )
         self._tiers: Callable[[], dict[str, tuple[int, int]]] | None = None
 
     def sample_tiers_with(self, tiers: Callable[[], dict[str, tuple[int, int]]]) -> None:

@@ -66,6 +66,10 @@ def _tenant_of(scope: Scope) -> str | None:
     return None if tenant is None else tenant.id
 
 
+def _rate_limited(scope: Scope, outcome: str) -> None:
+    scope["litestar_app"].state.services.metrics.rate_limited.labels(outcome).inc()
+
+
 def create_app(settings: Settings | None = None) -> Litestar:
     """The app for ``settings`` (default: from the environment). Nothing starts until
     the ASGI lifespan does: then Redis and the store come up, and the engine after
@@ -112,6 +116,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
                 settings.limits.tenant_requests_per_s,
                 settings.limits.tenant_request_burst,
                 _tenant_of,
+                _rate_limited,
             ),
             body_timeout_middleware(settings.limits.body_read_timeout_s),
             body_limit_middleware(settings.limits.max_body_bytes),

@@ -110,6 +110,14 @@ def test_a_flood_waits_then_gets_429_and_other_tenants_are_served(rate_server):
     ):
         assert [globex.get("/sessions").status_code for _ in range(BURST)] == [200] * BURST
         assert admin.get("/admin/cache").status_code == 200
+        metrics = admin.get("/metrics").text
+        refused_count = 8 - len(served)
+        counted = {
+            line.split("outcome=")[1].split('"')[1]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("chatsvc_rate_limited_requests_total{")
+        }
+        assert counted == {"refused": refused_count, "delayed": len(served) - BURST}, counted
         assert acme.get("/healthz").status_code == 200
         assert acme.get("/readyz").status_code == 200
         # A wrong key is not a tenant's request: it gets its 401 however many it sends.

@@ -82,10 +82,16 @@ class TokenBuckets:
         self._buckets = {k: v for k, v in self._buckets.items() if self._tokens(k, now) < full}
 
 
-def request_rate_middleware(rate: int, burst: int, tenant_of: Callable[[Scope], str | None]):
+def request_rate_middleware(
+    rate: int,
+    burst: int,
+    tenant_of: Callable[[Scope], str | None],
+    observe: Callable[[Scope, str], None] | None = None,
+):
     """A middleware factory: ``tenant_of(scope)`` is the tenant a request acts as (None:
     not a tenant's request); each tenant may start ``rate`` requests a second, in bursts
-    of up to ``burst``. ``rate`` 0: no limit.
+    of up to ``burst``. ``rate`` 0: no limit. ``observe(scope, outcome)`` hears of each
+    request past the rate: "delayed" or "refused".
 
     A request just over the rate waits for its turn (up to ``MAX_QUEUE_S``) rather
     than being refused: a client a little too fast is slowed, not failed. One
@@ -107,6 +113,8 @@ def request_rate_middleware(rate: int, burst: int, tenant_of: Callable[[Scope], 
                 tenant = tenant_of(scope)
                 if tenant is not None:
                     granted, wait_s = buckets.reserve(tenant, MAX_QUEUE_S)
+                    if observe is not None and (not granted or wait_s > 0):
+                        observe(scope, "delayed" if granted else "refused")
                     if not granted:
                         await asyncio.sleep(REFUSAL_HOLD_S)
                         retry_after = max(1, math.ceil(wait_s - REFUSAL_HOLD_S))
