@@ -74,6 +74,25 @@ def test_a_body_sent_whole_before_the_answer_is_read_gets_its_413(server, raw_re
     assert keyspace(raw_redis, server.prefix) == before
 
 
+def test_a_chunked_body_over_the_limit_gets_its_413(server, raw_redis, acme):
+    # No Content-Length to refuse it by: the limit is passed while the body arrives,
+    # with the rest of it still coming (a reset, had the server closed then).
+    def chunks():
+        yield b'{"metadata": {"k": "'
+        for _ in range(192):  # 12 MiB: past what the sockets' buffers hold
+            yield b"x" * 65_536
+        yield b'"}}'
+
+    before = keyspace(raw_redis, server.prefix)
+    response = acme.post(
+        "/sessions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["type"] == "request_too_large"
+    assert str(LIMITS.max_body_bytes) in response.json()["error"]["message"]
+    assert keyspace(raw_redis, server.prefix) == before
+
+
 @pytest.mark.parametrize(
     ("body", "headers"),
     [

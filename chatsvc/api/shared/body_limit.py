@@ -8,13 +8,15 @@ openai SDK) see that reset instead of the 413. Reading the body to its end
 first, up to ``MAX_DRAIN_BYTES`` and within the body deadline
 (body_timeout.py), lets the answer arrive; ``Connection: close`` then ends the
 connection. A body longer still is refused without the wait: reading it would
-cost more than the client's clear answer is worth.
+cost more than the client's clear answer is worth. A chunked body (no
+``Content-Length``) is counted as it arrives and, once past the limit, drained
+the same way.
 """
 
 from __future__ import annotations
 
 from litestar.exceptions import HTTPException
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 # What the server reads and throws away to answer one oversized request.
 MAX_DRAIN_BYTES = 16 * 1024 * 1024
@@ -25,12 +27,18 @@ class BodyTooLargeError(HTTPException):
 
 
 def body_limit_middleware(max_bytes: int):
-    """A Litestar middleware factory refusing bodies whose Content-Length passes ``max_bytes``."""
+    """A Litestar middleware factory refusing bodies longer than ``max_bytes``."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
         async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-            length = _content_length(scope) if scope["type"] == "http" else None
-            if length is None or length <= max_bytes:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            length = _content_length(scope)
+            if length is None:  # chunked: the limit is passed, if at all, while it arrives
+                await app(scope, _counted(receive, max_bytes), send)
+                return
+            if length <= max_bytes:
                 await app(scope, receive, send)
                 return
             if length <= MAX_DRAIN_BYTES:
@@ -43,6 +51,28 @@ def body_limit_middleware(max_bytes: int):
         return wrapped
 
     return middleware
+
+
+def _counted(receive: Receive, max_bytes: int) -> Receive:
+    """``receive`` for a body of unknown length: once past ``max_bytes`` the rest is
+    read and dropped (as for a declared length), then the 413 names the limit."""
+    received = 0
+
+    async def counted() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > max_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive)
+                raise BodyTooLargeError(
+                    f"the request body is over the limit of {max_bytes} bytes",
+                    headers={"Connection": "close"},
+                )
+        return message
+
+    return counted
 
 
 def _content_length(scope: Scope) -> int | None:
