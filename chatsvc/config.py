@@ -74,8 +74,9 @@ class Limits:
     # body into a huge answer, built while the tenant's generation slot is held.
     max_response_bytes: int = 16 * 1024 * 1024
     # Requests one tenant may start per second on one replica, in bursts of up to
-    # ``tenant_request_burst`` (a token bucket, chatsvc/api/shared/request_rate.py):
-    # past it 429 with Retry-After, before the body is read. 0: no limit.
+    # ``tenant_request_burst`` (a token bucket, chatsvc/api/shared/request_rate.py),
+    # checked before the body is read: a little over waits its turn, further over
+    # is a 429 with Retry-After. 0: no limit.
     tenant_requests_per_s: int = 50
     tenant_request_burst: int = 100
 
