@@ -146,8 +146,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_generation_did(sdk, model, acme
     # The continuation scored in a prefill agrees with how it was generated.
     tail = echo.token_logprobs[len(ids) : len(ids) + len(continuation)]
     assert tail == pytest.approx(lp.token_logprobs, abs=BF16_LOGPROB_TOL)
+    # The greedy continuation is the prefill's top-1 too, but for a near tie that bf16
+    # rounds the other way in a prefill than in a decode step (seen in CI: 'The' at
+    # -1.686 over the generated '\n' at -1.811, one bf16 step of a logit apart). Exact
+    # agreement is issue 26's (the same numbers whatever the step's shape).
     for value, top in zip(tail, echo.top_logprobs[len(ids) : -1], strict=True):
-        assert value == max(top.values())  # the greedy continuation is the top-1 each time
+        assert value >= max(top.values()) - BF16_LOGPROB_TOL
     # A scored request computes its whole prompt: none of it came from the cache.
     assert scored.usage.prompt_tokens_details.cached_tokens == 0
 
