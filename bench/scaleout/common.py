@@ -61,6 +61,8 @@ def replica_extra_env(args: argparse.Namespace, replicas: int) -> dict[str, str]
         "CHATSVC_NUM_GPU_BLOCKS": str(args.kv_blocks),
         "CHATSVC_NUM_THREADS": str(threads),
         "CHATSVC_MAX_STREAMS_PER_TENANT": "64",
+        # The whole load is one tenant's: a throughput run, not a tenant's fair share.
+        "CHATSVC_TENANT_REQUESTS_PER_S": "0",
     }
 
 
