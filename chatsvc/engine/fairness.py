@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from chatsvc.engine.prompt_logprobs import wants_prompt_logits
 from chatsvc.engine.sequence import Sequence
 
 
@@ -97,12 +98,22 @@ class FairQueue:
 # "Step shares count context".
 CONTEXT_PER_ROW = 4096
 CONTEXT_PER_READ = 512
+# What a prompt position whose logits a sequence asks for (prompt logprobs, echo with
+# logprobs) costs on top of its token: the LM head over the whole vocabulary and the
+# log-softmax and top-k that score it, about one more token's work (docs/engine.md,
+# "Step shares count context").
+COST_PER_LOGIT_ROW = 1
 
 
-def step_cost(tokens: int, context: int) -> int:
+def step_cost(tokens: int, context: int, logit_rows: int = 0) -> int:
     """Cost in tokens of computing ``tokens`` new tokens of a sequence whose KV then
-    spans ``context`` tokens (this step's included)."""
-    return tokens + tokens * context // CONTEXT_PER_ROW + context // CONTEXT_PER_READ
+    spans ``context`` tokens (this step's included), ``logit_rows`` of them scored."""
+    return (
+        tokens
+        + tokens * context // CONTEXT_PER_ROW
+        + context // CONTEXT_PER_READ
+        + logit_rows * COST_PER_LOGIT_ROW
+    )
 
 
 class StepShares:
@@ -148,4 +159,7 @@ class StepShares:
 
     @staticmethod
     def _cost(seq: Sequence, tokens: int) -> int:
-        return step_cost(tokens, seq.num_computed_tokens + tokens)
+        # A sequence scoring its prompt needs a logits row per position (all but the
+        # last prompt token's, which it samples from anyway: close enough to count all).
+        scored = tokens if wants_prompt_logits(seq) else 0
+        return step_cost(tokens, seq.num_computed_tokens + tokens, scored)

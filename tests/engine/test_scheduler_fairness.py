@@ -34,14 +34,18 @@ def _sequence(request: GenerationRequest, index: int) -> Sequence:
     return Sequence(next(_ids), request, index, list(request.prompt_token_ids), detok, None)
 
 
-def submit(sched, tenant: str, *, max_tokens=1, n=1, prompt_len=6, prefix=()) -> Sequence:
+def submit(
+    sched, tenant: str, *, max_tokens=1, n=1, prompt_len=6, prefix=(), prompt_logprobs=None
+) -> Sequence:
     """One request of ``tenant`` with a prompt no other request shares (but ``prefix``,
     which it starts with)."""
     namespace = Namespace(tenant_salt=tenant.encode(), label=tenant)
     prompt = [*prefix, *(next(_tokens) for _ in range(prompt_len))]
-    sampling = SamplingParams(max_tokens=max_tokens, n=n)
+    sampling = SamplingParams(max_tokens=max_tokens, n=n, prompt_logprobs=prompt_logprobs)
     request = GenerationRequest(f"r{next(_ids)}", prompt, sampling, namespace, {"tenant": tenant})
     seq = _sequence(request, 0)
+    if prompt_logprobs is not None:
+        seq.prompt_logprobs = [None]  # as the engine makes it (LLMEngine._new_sequence)
     sched.add(seq)
     return seq
 
@@ -360,3 +364,30 @@ def test_long_context_decodes_of_one_tenant_do_not_fill_the_step_beside_another(
             decoded_at[item.seq.seq_id].append(number)
     # Left-out decodes go first next time: every stream still moves every few steps.
     assert all(steps and steps[0] <= 3 for steps in decoded_at.values()), decoded_at
+
+
+def test_a_share_counts_the_logits_rows_of_a_scored_prompt():
+    cache, sched = make(max_num_seqs=64, budget=512)
+    plain = submit(sched, "a", prompt_len=400)
+    scored = submit(sched, "a", prompt_len=400, prompt_logprobs=20)
+    submit(sched, "b", prompt_len=6)
+    shares = StepShares(512, {"a", "b"})
+    # A share of 256: a plain chunk of t tokens costs t + t * t // 4096 (its rows'
+    # attention), so 242 fit; a scored one also puts each row through the LM head and
+    # the log-softmax, one more token each: 2t + t * t // 4096, so 126 fit.
+    assert step_cost(242, 242) == 256 and step_cost(126, 126, logit_rows=126) == 255
+    assert shares.fit(plain, 400) == 242
+    assert shares.fit(scored, 400) == 126
+
+
+def test_a_tenant_scoring_long_prompts_gets_half_the_step_by_cost_beside_another():
+    cache, sched = make(max_num_seqs=64, budget=64)
+    for _ in range(4):
+        submit(sched, "attacker", max_tokens=4, prompt_len=400, prompt_logprobs=5)
+    witness = submit(sched, "witness", max_tokens=12, prompt_len=6)
+    while witness.status is not SequenceStatus.FINISHED:
+        out = one_step(sched, cache)
+        attacker = [item for item in out.scheduled if tenant_of(item.seq) == "attacker"]
+        # Its rows cost two tokens each: 16 of them are its half of the 64-token budget.
+        assert sum(item.num_new_tokens for item in attacker) <= 16, out.scheduled
+        assert tokens_by_tenant(out).get("witness", 0) >= 1
