@@ -30,7 +30,7 @@ from tests.redis_server import started_server  # noqa: E402
 # The suites that start their own servers run for minutes per file; handed out first,
 # they never start last and leave one worker running alone at the end. The longest
 # files go first of all (longest first): one that starts late runs on alone while the
-# other worker has finished, and the side channel's alone is a third of the suite.
+# other worker has finished (docs/benchmarks.md, "The test suite's time").
 LONGEST_FILES = (
     "tests/reliability/test_side_channel.py",
     "tests/reliability/test_fuzz.py",

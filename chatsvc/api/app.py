@@ -30,7 +30,7 @@ from chatsvc.api.openai.conversations import ConversationController
 from chatsvc.api.openai.models import ModelsController
 from chatsvc.api.openai.responses import ResponsesController
 from chatsvc.api.openai.tokenize import TokenizeController
-from chatsvc.api.shared.auth import bearer_token, provide_tenant
+from chatsvc.api.shared.auth import bearer_token, provide_tenant, tenant_for_token
 from chatsvc.api.shared.body_limit import body_limit_middleware
 from chatsvc.api.shared.body_timeout import body_timeout_middleware
 from chatsvc.api.shared.content_type import json_only_middleware
@@ -59,10 +59,7 @@ def _tenant_of(scope: Scope) -> str | None:
     services: Services | None = getattr(scope["litestar_app"].state, "services", None)
     if services is None:
         return None
-    if services.tenants.local is not None:
-        return services.tenants.local.id
-    token = bearer_token(Headers.from_scope(scope))
-    tenant = None if token is None else services.tenants.tenant_for_key(token)
+    tenant = tenant_for_token(services, bearer_token(Headers.from_scope(scope)))
     return None if tenant is None else tenant.id
 
 

@@ -108,8 +108,8 @@ def timed_pair(
 
 
 # Three prefills a trial: in fp32 on one core (an AVX2 machine, one OpenMP thread per
-# pytest worker) the test's own minutes, beside the other worker's suites, approach
-# the suite's 900 s per-test guard (docs/reliability.md, section 7).
+# pytest worker) beside the other worker's suites, it may need more than the suite's
+# per-test guard (its times: docs/reliability.md, section 7).
 @pytest.mark.timeout(1800)
 def test_attacker_timing_cannot_tell_a_private_hit_and_a_shared_prompt_is_shared(
     server, acme, globex, admin

@@ -35,15 +35,22 @@ async def provide_tenant(request: Request, services: ServicesDep) -> TenantRecor
     Only this replica's configured keys admit anyone (``services.tenants``);
     nothing in Redis can add, keep or revive a key.
     """
-    if services.tenants.local is not None:
-        return services.tenants.local
     token = bearer_token(request.headers)
-    if token is None:
-        raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-    tenant = services.tenants.tenant_for_key(token)
+    tenant = tenant_for_token(services, token)
     if tenant is None:
+        if token is None:
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
         raise AuthenticationError("invalid API key")
     return tenant
+
+
+def tenant_for_token(services: Services, token: str | None) -> TenantRecord | None:
+    """The tenant a request bearing ``token`` acts as: the local tenant when the service
+    runs without keys, else the key's (None: no token, or a key this replica does not
+    know). Shared by the dependency above and the request-rate check."""
+    if services.tenants.local is not None:
+        return services.tenants.local
+    return None if token is None else services.tenants.tenant_for_key(token)
 
 
 def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:

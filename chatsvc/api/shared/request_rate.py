@@ -86,7 +86,7 @@ def request_rate_middleware(
     rate: int,
     burst: int,
     tenant_of: Callable[[Scope], str | None],
-    observe: Callable[[Scope, str], None] | None = None,
+    observe: Callable[[Scope, str], None],
 ):
     """A middleware factory: ``tenant_of(scope)`` is the tenant a request acts as (None:
     not a tenant's request); each tenant may start ``rate`` requests a second, in bursts
@@ -113,7 +113,7 @@ def request_rate_middleware(
                 tenant = tenant_of(scope)
                 if tenant is not None:
                     granted, wait_s = buckets.reserve(tenant, MAX_QUEUE_S)
-                    if observe is not None and (not granted or wait_s > 0):
+                    if not granted or wait_s > 0:
                         observe(scope, "delayed" if granted else "refused")
                     if not granted:
                         await asyncio.sleep(REFUSAL_HOLD_S)
