@@ -1,9 +1,9 @@
 """Pick the next token of every sequence in a batch from its logits.
 
 Greedy rows are one vectorised argmax. Sampled rows go one by one, each drawing
-from its own ``torch.Generator``: a row's draw then depends only on its own
-logits and seed, never on which other sequences share the batch, which is
-what makes "same seed -> same output" hold under continuous batching.
+one uniform number from its own ``torch.Generator``: a row's draw then depends
+only on its own logits and seed, never on which other sequences share the batch,
+which is what makes "same seed -> same output" hold under continuous batching.
 
 Rows fail alone: ``sample_rows`` hands back an error for a row whose logits are
 not finite or whose draw fails, and every other row's token is the one it would
@@ -17,6 +17,7 @@ logits before the argmax or the draw; the model's own logits stay as they were
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -37,42 +38,89 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[V]`` (fp32) after temperature, top-k, min-p, top-p; zero outside
-    the kept set.
+# Top-p sorts only the tokens it may keep: they are grouped by how many factors of e
+# they are below the top token, and the groups past the first whose cumulative mass
+# reaches top_p are never sorted. The last group holds everything below e^-63 of the top.
+E_FOLD_GROUPS = 64
+# A token more than e^80 less likely than the top one is counted at e^-80: exp() of
+# what is below turns subnormal in fp32 and runs several times slower (most of a row
+# at low temperature), and a draw from a float64 uniform cannot pick a token of that
+# mass anyway.
+NEGLIGIBLE_LOGIT = -80.0
 
-    ``logits`` must be finite but for ``-inf`` entries (tokens masked out by logit
-    processing). The row's maximum is subtracted before dividing by the temperature,
-    so every scaled value is <= 0 and nothing overflows for any temperature the
-    greedy line lets through.
+
+def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampled row may draw and their probabilities, ``(token_ids, probs)``:
+    temperature, then top-k, min-p and top-p, each renormalizing what it keeps. The
+    order is the likeliest first when top-k or top-p applies, else the vocabulary's.
+
+    A full sort of the vocabulary per row and step was most of a sampled step with
+    the default top-p; here top-k sorts its ``k`` tokens and top-p only the groups of
+    tokens it may keep (``_likeliest``). ``logits`` must be finite but for ``-inf``
+    entries (tokens masked out by logit processing). The row's maximum is subtracted
+    before dividing by the temperature, so every scaled value is <= 0 and nothing
+    overflows for any temperature the greedy line lets through. Raises RuntimeError
+    when no token has a probability.
     """
     if params.is_greedy:
         raise ValueError(
-            f"filtered_probs needs a sampling temperature; {params.temperature} is greedy (argmax)"
+            f"sampling needs a sampling temperature; {params.temperature} is greedy (argmax)"
         )
     logits = logits.float()
     scaled = (logits - logits.max()) / params.temperature
+    masked = torch.isneginf(scaled) if float(scaled.min()) == float("-inf") else None
+    scaled = scaled.clamp_(min=NEGLIGIBLE_LOGIT)
+    if masked is not None:  # logit processing's -inf stays: such a token is never drawn
+        scaled = scaled.masked_fill_(masked, float("-inf"))
     vocab_size = scaled.shape[-1]
-    if 0 < params.top_k < vocab_size:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    likeliest_first = 0 < params.top_k < vocab_size
+    if likeliest_first:
+        scaled, ids = torch.topk(scaled, params.top_k)
+    else:
+        ids = torch.arange(vocab_size)
     probs = torch.softmax(scaled, dim=-1)
+    if not float(probs.sum()) > 0:  # NaN fails this too
+        raise RuntimeError("no token of this row has a probability to draw")
     if params.min_p > 0.0:
-        # The top token's probability is at least 1/V, so the threshold is never 0 and
-        # the top token always stays.
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        # At least min_p times the top token's probability, whose scaled logit is 0. The
+        # top token always stays.
+        keep = (scaled >= math.log(params.min_p)).nonzero().squeeze(1)
+        ids, scaled, probs = ids[keep], scaled[keep], probs[keep]
         probs = probs / probs.sum()
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest head of the sorted list whose mass reaches top_p: a
-        # token is dropped when the mass strictly before it already reaches it.
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[0] = False
-        drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        if not likeliest_first:
+            head, probs = _likeliest(scaled, probs, params.top_p)
+            ids = ids[head]
+        # Keep the smallest head whose mass reaches top_p: a token is dropped when the
+        # mass strictly before it already reaches it. The top token always stays.
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep = mass_before < params.top_p
+        keep[0] = True
+        probs, ids = probs[keep], ids[keep]
         probs = probs / probs.sum()
-    return probs
+    return ids, probs
+
+
+def _likeliest(
+    scaled: torch.Tensor, probs: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, probs)`` of the row's likeliest tokens, likeliest first, cut after the
+    e-fold group (``E_FOLD_GROUPS``) where the mass reaches ``top_p``: every token cut is
+    below every token kept and has at least ``top_p`` before it, so top-p drops it."""
+    group = scaled.neg().clamp_(max=E_FOLD_GROUPS - 1).long()
+    mass = torch.zeros(E_FOLD_GROUPS).index_add_(0, group, probs)
+    reached = torch.cumsum(mass, dim=0) >= top_p
+    last = int(reached.int().argmax()) if bool(reached.any()) else E_FOLD_GROUPS - 1
+    head = (group <= last).nonzero().squeeze(1)
+    probs, order = torch.sort(probs[head], descending=True)
+    return head[order], probs
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities ``[V]`` (fp32) after temperature, top-k, min-p, top-p (``candidates``);
+    zero outside the kept set."""
+    ids, probs = candidates(logits, params)
+    return torch.zeros(logits.shape[-1], dtype=torch.float32).index_put_((ids,), probs)
 
 
 def sample_rows(
@@ -167,10 +215,16 @@ def sample(
 def _draw(
     row: int, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> int | SamplingError:
+    """One token from the row's kept set, by one uniform number from its generator
+    (inverse of the kept set's cumulative mass: a token of zero probability is never
+    picked)."""
     try:
-        probs = filtered_probs(logits.cpu(), params)
-        return int(torch.multinomial(probs, 1, generator=generator).item())
-    except RuntimeError as error:  # torch's refusal of a distribution it cannot draw from
+        ids, probs = candidates(logits.cpu(), params)
+        mass = torch.cumsum(probs.double(), dim=-1)
+        point = torch.rand(1, generator=generator, dtype=torch.float64) * mass[-1]
+        pick = min(int(torch.searchsorted(mass, point, right=True)), len(ids) - 1)
+        return int(ids[pick])
+    except RuntimeError as error:  # a distribution that cannot be drawn from
         failure = SamplingError(f"row {row}: {error}")
         failure.__cause__ = error
         return failure

@@ -113,3 +113,77 @@ def test_sample_seeds_are_derived_per_index():
     params = SamplingParams(seed=40, n=3).validate()
     assert [params.sample_seed(i) for i in range(3)] == [40, 41, 42]
     assert SamplingParams().sample_seed(2) is None
+
+
+def _full_sort_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filters by their definition: softmax over the vocabulary, a sort of all of it."""
+    scaled = (logits.double() - logits.max()) / params.temperature
+    if 0 < params.top_k < len(scaled):
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        drop_sorted[0] = False
+        probs = probs.masked_fill(torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted), 0)
+        probs = probs / probs.sum()
+    return probs
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat to peaked rows
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.2, top_p=0.9),
+        SamplingParams(temperature=2.5, top_p=0.99),
+        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.01),
+        SamplingParams(temperature=0.7, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.8),
+        SamplingParams(temperature=1.0),
+    ],
+    ids=["top_p", "cold_top_p", "hot_top_p", "min_p_top_p", "min_p", "top_k_top_p", "none"],
+)
+def test_the_filters_keep_what_a_full_sort_of_the_vocabulary_keeps(scale, params):
+    # Only the head top-p may keep is sorted; the kept set and its probabilities must
+    # be the ones of the definition, also on flat rows where the head is large.
+    for seed in range(4):
+        logits = _logits(1, vocab=8192, seed=seed)[0] * scale
+        expected = _full_sort_reference(logits, params)
+        got = filtered_probs(logits, params)
+        assert torch.equal(got > 0, expected > 0), (
+            seed,
+            int((got > 0).sum()),
+            int((expected > 0).sum()),
+        )
+        assert torch.allclose(got.double(), expected, atol=1e-6)
+
+
+def test_draws_follow_the_kept_distribution():
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -3.0, -8.0])
+    params = SamplingParams(temperature=0.8, top_p=0.97)
+    probs = filtered_probs(logits, params).double()
+    draws = 40_000
+    gen = make_generator(123)
+    counts = torch.zeros(len(logits), dtype=torch.float64)
+    for token in sample(logits.expand(draws, -1), [params] * draws, [gen] * draws):
+        counts[token] += 1
+    kept = probs > 0
+    assert counts[~kept].sum() == 0  # nothing outside the kept set, ever
+    expected = probs[kept] * draws
+    chi2 = float((((counts[kept] - expected) ** 2) / expected).sum())
+    assert chi2 < 35.0, (chi2, counts.tolist(), expected.tolist())  # df <= 7: p < 1e-5
+
+
+def test_a_token_masked_by_logit_processing_is_never_kept():
+    logits = _logits(1, vocab=2048, seed=8)[0]
+    masked = torch.zeros(2048, dtype=torch.bool)
+    masked[:300] = True  # the first tokens, where a draw of 0 would land
+    logits = logits.masked_fill(masked, float("-inf"))
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1e-3, top_p=0.9)):
+        probs = filtered_probs(logits, params)
+        assert float(probs[masked].sum()) == 0.0 and probs.sum().item() == pytest.approx(1.0)
