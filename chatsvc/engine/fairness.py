@@ -98,10 +98,11 @@ class FairQueue:
 # "Step shares count context".
 CONTEXT_PER_ROW = 4096
 CONTEXT_PER_READ = 512
-# What a prompt position whose logits a sequence asks for (prompt logprobs, echo with
-# logprobs) costs on top of its token: the LM head over the whole vocabulary and the
-# log-softmax and top-k that score it, about one more token's work (docs/engine.md,
-# "Step shares count context").
+# What a logits row costs on top of its token: the LM head over the whole vocabulary,
+# then the sampling of a generating sequence (or the log-softmax and top-k that score
+# a prompt position: prompt logprobs, echo with logprobs), about one more token's work
+# (docs/engine.md, "Step shares count context"). Every sequence in a step computes at
+# least one such row; a sequence scoring its prompt one per position.
 COST_PER_LOGIT_ROW = 1
 
 
@@ -160,6 +161,7 @@ class StepShares:
     @staticmethod
     def _cost(seq: Sequence, tokens: int) -> int:
         # A sequence scoring its prompt needs a logits row per position (all but the
-        # last prompt token's, which it samples from anyway: close enough to count all).
-        scored = tokens if wants_prompt_logits(seq) else 0
-        return step_cost(tokens, seq.num_computed_tokens + tokens, scored)
+        # last prompt token's, which it samples from anyway: close enough to count all);
+        # any other sequence one, its last token's.
+        rows = tokens if wants_prompt_logits(seq) else min(tokens, 1)
+        return step_cost(tokens, seq.num_computed_tokens + tokens, rows)

@@ -291,16 +291,18 @@ def test_a_lone_tenant_still_gets_the_whole_budget():
 
 def test_decodes_left_out_by_the_share_go_first_next_step():
     cache, sched = make(max_num_seqs=64, budget=32)
-    streams = [submit(sched, "attacker", max_tokens=100, prompt_len=1) for _ in range(24)]
-    one_step(sched, cache)  # all 24 prompts
+    streams = [submit(sched, "attacker", max_tokens=100, prompt_len=1) for _ in range(12)]
+    one_step(sched, cache)  # all 12 prompts
     submit(sched, "witness", max_tokens=100, prompt_len=1)
-    one_step(sched, cache)  # the witness's prompt beside 16 attacker decodes
-    # 24 attacker decodes, a share of 16 a step: none waits more than one step.
+    one_step(sched, cache)  # the witness's prompt beside 8 attacker decodes
+    # 12 attacker decodes of 2 tokens' cost each (a token and its logits row), a share
+    # of 16 a step: 8 decode a step, and none waits more than one step.
+    assert step_cost(1, 3, logit_rows=1) == 2
     last_token_step = {s.seq_id: 0 for s in streams}
     for number in range(1, 9):
         before = {s.seq_id: len(s.output_token_ids) for s in streams}
         out = one_step(sched, cache)
-        assert tokens_by_tenant(out) == {"attacker": 16, "witness": 1}
+        assert tokens_by_tenant(out) == {"attacker": 8, "witness": 1}
         for s in streams:
             if len(s.output_token_ids) > before[s.seq_id]:
                 assert number - last_token_step[s.seq_id] <= 2
@@ -325,13 +327,15 @@ def test_a_share_counts_a_sequences_context_not_only_its_tokens():
     other = submit(sched, "b", prompt_len=6)
     near.num_computed_tokens, far.num_computed_tokens = 10, 8000
     shares = StepShares(512, {"a", "b"})
-    # A decode at 8k context costs 1 + 8001 // 4096 + 8001 // 512 = 17 tokens.
-    assert step_cost(1, 8001) == 17 and step_cost(1, 11) == 1
+    # A decode at 8k context costs 1 + 8001 // 4096 + 8001 // 512 + 1 (its logits row)
+    # = 18 tokens; at 11 tokens of context 2.
+    assert step_cost(1, 8001, logit_rows=1) == 18 and step_cost(1, 11, logit_rows=1) == 2
     assert shares.fit(far, 1) == 1
-    for _ in range(256 // 17):
+    for _ in range(256 // 18):
         shares.spend(far, 1)
-    assert shares.fit(far, 1) == 0  # 15 such decodes are the whole share of 256
-    assert shares.fit(near, 64) == 256 - 15 * 17  # a short context still fits by its tokens
+    assert shares.fit(far, 1) == 0  # 14 such decodes are the whole share of 256
+    left = 256 - 14 * 18
+    assert shares.fit(near, 64) == left - 1  # a short context fits by its tokens and row
     # A tenant's first token of the step always fits; a lone tenant counts tokens.
     other.num_computed_tokens = 50_000
     assert shares.fit(other, 1) == 1
@@ -355,10 +359,11 @@ def test_long_context_decodes_of_one_tenant_do_not_fill_the_step_beside_another(
         out = one_step(sched, cache)
         number += 1
         attacker = [item for item in out.scheduled if tenant_of(item.seq) == "attacker"]
-        # Each of those decodes reads 1,100 tokens of context or more: at least 3
-        # tokens' cost, so a share of 32 holds 10 of them (by tokens alone, 31).
-        cost = sum(step_cost(1, item.start + 1) for item in attacker)
-        assert cost <= 32 and len(attacker) <= 10, (cost, len(attacker))
+        # Each of those decodes reads 1,100 tokens of context or more: at least 4
+        # tokens' cost with its logits row, so a share of 32 holds 8 of them (by tokens
+        # alone, 31).
+        cost = sum(step_cost(1, item.start + 1, logit_rows=1) for item in attacker)
+        assert cost <= 32 and len(attacker) <= 8, (cost, len(attacker))
         assert tokens_by_tenant(out).get("witness", 0) >= 1
         for item in attacker:
             decoded_at[item.seq.seq_id].append(number)
@@ -373,10 +378,12 @@ def test_a_share_counts_the_logits_rows_of_a_scored_prompt():
     submit(sched, "b", prompt_len=6)
     shares = StepShares(512, {"a", "b"})
     # A share of 256: a plain chunk of t tokens costs t + t * t // 4096 (its rows'
-    # attention), so 242 fit; a scored one also puts each row through the LM head and
-    # the log-softmax, one more token each: 2t + t * t // 4096, so 126 fit.
-    assert step_cost(242, 242) == 256 and step_cost(126, 126, logit_rows=126) == 255
-    assert shares.fit(plain, 400) == 242
+    # attention) + 1 (its last row's logits), so 241 fit; a scored one puts every row
+    # through the LM head and the log-softmax, one more token each: 2t + t * t // 4096,
+    # so 126 fit.
+    assert step_cost(241, 241, logit_rows=1) == 256
+    assert step_cost(126, 126, logit_rows=126) == 255
+    assert shares.fit(plain, 400) == 241
     assert shares.fit(scored, 400) == 126
 
 
