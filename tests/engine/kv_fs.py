@@ -3,7 +3,8 @@
 As root (the CI container) these are real mounts: a read-only bind mount and a
 tiny tmpfs. Without the privilege to mount, a read-only directory falls back to
 permission bits (which stop an unprivileged user just as well) and a small
-disk cannot be had: those tests skip, saying why.
+disk cannot be had: those tests skip, saying why, except in CI, where a root
+that cannot mount fails them (``tests/components.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests.components import missing_component
 
 
 def _mount(*args: str) -> bool:
@@ -32,10 +33,10 @@ def read_only_dir(path: Path) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() == 0:
         if not _mount("--bind", str(path), str(path)):
-            pytest.skip("cannot bind-mount here (need CAP_SYS_ADMIN) for a read-only directory")
+            missing_component("cannot bind-mount here (need CAP_SYS_ADMIN) for a read-only dir")
         try:
             if not _mount("-o", "remount,bind,ro", str(path)):
-                pytest.skip("cannot remount read-only here")
+                missing_component("cannot remount read-only here")
             yield path
         finally:
             _umount(path)
@@ -53,7 +54,7 @@ def small_filesystem(path: Path, size_bytes: int) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
     options = f"size={size_bytes},mode=0700"
     if os.geteuid() != 0 or not _mount("-t", "tmpfs", "-o", options, "tmpfs", str(path)):
-        pytest.skip(
+        missing_component(
             "mounting a small tmpfs needs root (CAP_SYS_ADMIN); the disk-full case is "
             "covered by the injected-error test"
         )

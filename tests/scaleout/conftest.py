@@ -9,7 +9,6 @@ the run, so CI can never go green by not running these tests.
 
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 
 from bench.scaleout.fleet import Fleet
 from bench.scaleout.nginx import NginxUnavailable, ensure_nginx
+from tests.components import missing_component
 from tests.redis_server import unique_prefix
 
 ACME_KEY = "acme-scaleout-key-0001"
@@ -35,13 +35,6 @@ def nginx_binary() -> str:
         return ensure_nginx()
     except NginxUnavailable as exc:
         missing_component(f"nginx cannot be installed here: {exc}")
-
-
-def missing_component(reason: str) -> None:
-    """Fail in CI, where every component must be present; elsewhere skip with ``reason``."""
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{reason} (CI=true: a missing component fails the run)", pytrace=False)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")

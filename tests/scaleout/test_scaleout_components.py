@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scaleout.conftest import missing_component
+from tests.components import missing_component
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -114,8 +115,6 @@ def test_every_redis_node_is_durable_and_replicas_follow_the_primary(compose):
 
 
 def test_the_redis_nodes_and_sentinels_run_the_valkey_the_tests_run(compose):
-    import subprocess
-
     from chatsvc.store.embedded import server_binary
 
     banner = subprocess.run([server_binary(), "--version"], capture_output=True, text=True)
@@ -126,3 +125,10 @@ def test_the_redis_nodes_and_sentinels_run_the_valkey_the_tests_run(compose):
         image, _, tag = service["image"].partition(":")
         assert image == "valkey/valkey", (name, service["image"])
         assert tag.split("-")[0] == tested, (name, service["image"], tested)
+
+
+def test_the_load_balancer_runs_the_nginx_the_tests_run(compose, nginx_binary):
+    banner = subprocess.run([nginx_binary, "-v"], capture_output=True, text=True)
+    tested = re.search(r"nginx/(\d+\.\d+\.\d+)", banner.stderr)[1]
+    image, _, tag = compose["services"]["nginx"]["image"].partition(":")
+    assert image == "nginx" and tag.split("-")[0] == tested, (compose["services"]["nginx"], tested)
