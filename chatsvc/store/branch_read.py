@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aredis
 
+from chatsvc.store import read_meter
 from chatsvc.store.records import MessageRecord, SessionSummary, decode, decode_tokens
 from chatsvc.store.sentinel import declare_read_only
 from chatsvc.store.tree import ROOT, branch_tokens, split_children
@@ -158,6 +159,7 @@ class BranchReader:
         ids = [i.decode() for i in ids]
         if any(r is None for r in raw_records):
             raise BranchCorruptError(f"session {session.id!r} lists a message it does not hold")
+        read_meter.count(sum(map(len, raw_records)) + len(raw_tokens or b""))
         messages = [decode(MessageRecord, r) for r in raw_records]
         children = [split_children(c) for c in raw_children]
         return Branch(

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from chatsvc.api.shared.request_rate import REFUSAL_HOLD_S, TokenBuckets
+from chatsvc.api.shared.request_rate import BYTES_PER_REQUEST, REFUSAL_HOLD_S, TokenBuckets
 from chatsvc.config import Limits
 from tests.reliability.conftest import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, client, start_server
 
@@ -42,6 +42,21 @@ def test_a_bucket_serves_its_burst_then_reserves_ahead_then_refuses():
     clock.now += 60  # a long pause refills up to the burst, never past it
     assert [buckets.reserve("a", 0.0)[0] for _ in range(4)] == [True, True, True, False]
     assert buckets.refused == 2
+
+
+def test_a_charge_after_the_request_makes_the_next_ones_wait_for_it():
+    clock = Clock()
+    buckets = TokenBuckets(rate=2, burst=3, clock=clock)
+    assert buckets.reserve("a", 1.0) == (True, 0.0)
+    buckets.charge("a", 4)  # it read 4 more tokens' worth: 3 - 1 - 4 = -2 left
+    granted, retry_in = buckets.reserve("a", 1.0)
+    assert not granted and retry_in == pytest.approx(0.5)  # its token is 1.5 s away
+    assert buckets.reserve("b", 1.0) == (True, 0.0)  # nobody else pays for it
+    clock.now += 1.0
+    assert buckets.reserve("a", 1.0) == (True, pytest.approx(0.5))
+    buckets.charge("a", 0)  # a request within its own token costs nothing more
+    clock.now += 60
+    assert [buckets.reserve("a", 0.0)[0] for _ in range(4)] == [True, True, True, False]
 
 
 def test_refilled_buckets_are_dropped_so_the_map_stays_small():
@@ -131,3 +146,58 @@ def test_a_flood_waits_then_gets_429_and_other_tenants_are_served(rate_server):
         assert listed.status_code == 200, listed.text
         floods = [s for s in listed.json()["sessions"] if s["metadata"] == {"from": "flood"}]
         assert len(floods) == served.count("POST")
+
+
+# --- reads charged by their bytes: a write to a large session reads all of it -------
+
+CHARGE_RATE, CHARGE_BURST = 10, 10
+
+
+@pytest.fixture(scope="module")
+def charge_server(redis_server):
+    limits = Limits(
+        max_tokens_cap=8, tenant_requests_per_s=CHARGE_RATE, tenant_request_burst=CHARGE_BURST
+    )
+    with start_server(redis_server.url, limits) as live:
+        yield live
+
+
+def _delayed(server) -> float:
+    with client(server, ADMIN_KEY) as admin:
+        for line in admin.get("/metrics").text.splitlines():
+            if line.startswith('chatsvc_rate_limited_requests_total{outcome="delayed"'):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _add_items(http, conversation: str, items: list[dict]) -> None:
+    added = http.post(f"/v1/conversations/{conversation}/items", json={"items": items})
+    assert added.status_code == 200, added.text[:500]
+
+
+def test_a_tenant_writing_to_a_large_session_pays_for_its_reads_others_do_not(charge_server):
+    big_item = {"type": "message", "role": "user", "content": "word " * 6_400}  # 32,000 chars
+    small_item = {"type": "message", "role": "user", "content": "hello"}
+    with client(charge_server, ACME_KEY) as acme, client(charge_server, GLOBEX_KEY) as globex:
+        big = acme.post("/v1/conversations", json={}).json()["id"]
+        for _ in range(5):  # ~3.2 MiB of items; each add reads what is there before it
+            _add_items(acme, big, [big_item] * 20)
+        small = globex.post("/v1/conversations", json={}).json()["id"]
+        time.sleep(2 * CHARGE_BURST / CHARGE_RATE)  # both buckets full again
+
+        # globex: 8 adds to a small session are 8 tokens, inside its burst: no wait.
+        before = _delayed(charge_server)
+        for _ in range(8):
+            _add_items(globex, small, [small_item])
+        assert _delayed(charge_server) == before
+
+        # acme: each add to its ~3.2 MiB session reads it whole, 3 tokens more than
+        # its own: the 8th may start only once 7 x 4 + 1 tokens came in, 10 of them
+        # the burst, the rest at the rate, however fast the machine.
+        began = time.monotonic()
+        for _ in range(8):
+            _add_items(acme, big, [small_item])
+        took = time.monotonic() - began
+        charged = (3 * 2**20) // BYTES_PER_REQUEST
+        assert took >= (7 * (1 + charged) + 1 - CHARGE_BURST) / CHARGE_RATE - 0.05, took
+        assert _delayed(charge_server) >= before + 3

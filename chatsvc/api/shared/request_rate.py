@@ -8,6 +8,13 @@ its parsing, its Redis round trips and its answer, which every other tenant's
 stream waits behind. Counted per replica, in memory (a fleet's figure is the
 setting times its replicas, as for the stream limit).
 
+A request's token covers its first ``BYTES_PER_REQUEST`` of session reads;
+each further one costs its tenant one more token once the request is done
+(``chatsvc/store/read_meter.py``): a branch read costs Redis time in proportion
+to what the session holds, and a write or turn reads the whole branch, so
+without it a tenant with large sessions would buy seconds of the Redis every
+tenant shares at the price of cheap requests.
+
 The check runs before the body is read and before anything looks up a session.
 A request a little over the rate waits for its turn; one further over gets a
 429 with ``Retry-After`` (see ``request_rate_middleware``). Only requests that
@@ -27,19 +34,24 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 
 from chatsvc.api.shared.errors import RateLimitError
 from chatsvc.api.shared.startup_gate import OPEN_PATHS
+from chatsvc.store.read_meter import metered
 
 # The longest a request over the rate waits for its token before it runs; past that
 # it is refused, and the refusal itself is answered this long after the request.
 MAX_QUEUE_S = 1.0
 REFUSAL_HOLD_S = 1.0
+# Session bytes read per token: a MiB of branch costs Redis and the replica about
+# what a cheap request does (docs/reliability.md, "Reads charged by their bytes").
+BYTES_PER_REQUEST = 1 << 20
 
 
 class TokenBuckets:
     """One bucket per key: ``burst`` tokens at most, refilled at ``rate`` a second; a
     request takes one, now or, reserved ahead, when it is due.
 
-    Invariant: -rate * max_wait_s <= a bucket's tokens <= burst, where max_wait_s is
-    the longest wait ``reserve`` granted (a reserved token is taken when granted).
+    Invariant: -rate * max_wait_s - charged <= a bucket's tokens <= burst, where
+    max_wait_s is the longest wait ``reserve`` granted (a reserved token is taken when
+    granted) and charged what ``charge`` took since the bucket was last full.
     A key whose bucket has refilled is dropped (it is as if new), so the map holds
     only the keys that sent a request in the last few refills.
     """
@@ -67,6 +79,14 @@ class TokenBuckets:
         self._buckets[key] = (tokens - 1.0, now)
         self._drop_refilled(now)
         return True, wait_s
+
+    def charge(self, key: str, tokens: float) -> None:
+        """Take ``tokens`` more from ``key``'s bucket for work a request turned out to
+        cost; it may go below zero, and the key's next requests wait or are refused
+        until it has refilled."""
+        if tokens > 0:
+            now = self.clock()
+            self._buckets[key] = (self._tokens(key, now) - tokens, now)
 
     def _tokens(self, key: str, now: float) -> float:
         if key not in self._buckets:
@@ -126,6 +146,12 @@ def request_rate_middleware(
                         )
                     if wait_s > 0:
                         await asyncio.sleep(wait_s)
+                    with metered() as meter:
+                        try:
+                            await app(scope, receive, send)
+                        finally:
+                            buckets.charge(tenant, meter.bytes_read // BYTES_PER_REQUEST)
+                    return
             await app(scope, receive, send)
 
         return wrapped
