@@ -47,7 +47,7 @@ from chatsvc.engine.scheduler import Scheduler
 from chatsvc.engine.scheduler_output import ScheduledSequence
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.step_io import NoStepIO, StepIO
-from chatsvc.engine.threads import set_torch_threads
+from chatsvc.engine.threads import governor_for, set_torch_threads
 from chatsvc.engine.warmup import WarmedShape, run_warm_up, warm_up_shapes
 from chatsvc.paths import kernels_dir
 from chatsvc.protocol import (
@@ -98,6 +98,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config.validate()
         set_torch_threads(config.num_threads)
+        self.thread_governor = governor_for(config.num_threads)
         keep_freed_memory()
         native.set_build_dir(kernels_dir(config.data_dir))
         if loaded is None:
@@ -240,6 +241,8 @@ class LLMEngine:
         a failure of the scheduler, the cache plans or the cache's bookkeeping is
         raised (see the module docstring).
         """
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
         io = self.step_io
         self.scheduler.finish_loads(io.finished_loads())
         out = self.scheduler.schedule()
