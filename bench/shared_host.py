@@ -43,7 +43,7 @@ from chatsvc.protocol import GenerationRequest, SamplingParams
 
 SYSTEM = "You are a concise assistant for a travel company. Answer in a few sentences. " * 4
 TOPICS = ["Lisbon", "Kyoto", "Oslo", "Lima", "Cairo", "Hanoi", "Quebec", "Perth"]
-NEIGHBOUR = ["nice", "-n", "19", sys.executable, "-c", "while True: pass"]
+NEIGHBOUR = ["nice", "-n", "19", sys.executable, "-c", "while 'shared-host neighbour': pass"]
 
 
 @dataclass
