@@ -13,6 +13,7 @@ processes leave free, measured from ``/proc`` between steps.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Seconds between two looks at what the other processes use: long enough that the
 # figure is not one time slice's noise, short enough to follow a build that starts.
@@ -120,6 +123,7 @@ class ThreadGovernor:
         taken = math.floor(others + (1 - OTHERS_COUNT_FROM)) if others > 0 else 0
         wanted = max(1, self.most - taken)
         if wanted != self.threads:
+            log.debug("threads %d -> %d: others used %.2f CPUs", self.threads, wanted, others)
             self._apply(wanted)
             self.threads = wanted
         return self.threads
