@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 ENV_PREFIX = "CHATSVC_"
+# The default pool: as many blocks as this many bytes hold in bf16, in every dtype, so
+# a CPU without native bf16 (fp32, twice the bytes a block) caches as many sessions.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
@@ -51,7 +53,8 @@ class EngineConfig:
     """What to serve and how much memory and batch room to give it.
 
     KV pool size: ``num_gpu_blocks`` when set, else ``kv_cache_bytes`` divided by the
-    bytes of one block (all layers, K and V). ``num_host_blocks`` sizes the host
+    bytes of one block (all layers, K and V); ``kv_cache_bytes`` None: the blocks
+    ``DEFAULT_KV_CACHE_BYTES`` holds in bf16, whatever the dtype. ``num_host_blocks`` sizes the host
     tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
     checker after every mutation (slow; for tests). ``data_dir``: where the converted default
@@ -70,7 +73,7 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     num_gpu_blocks: int | None = None
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = None
     # None: on CUDA, a host tier as large as the device pool (pinned memory);
     # on CPU none, since "host" would be the same RAM: raise kv_cache_bytes instead.
     num_host_blocks: int | None = None
@@ -117,7 +120,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
-        if self.kv_cache_bytes < 1:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.num_host_blocks is not None and self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
@@ -140,10 +143,13 @@ class EngineConfig:
             raise ValueError(f"warm_up_s must be 0..3600 seconds, got {self.warm_up_s}")
         return self
 
-    def num_blocks_for(self, block_bytes: int) -> int:
-        """Device blocks of the KV pool, given one block's size in bytes."""
+    def num_blocks_for(self, block_bytes: int, bf16_block_bytes: int) -> int:
+        """Device blocks of the KV pool, given one block's size in bytes in the pool's
+        dtype and in bf16 (the default's unit)."""
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
+        if self.kv_cache_bytes is None:
+            return max(1, DEFAULT_KV_CACHE_BYTES // bf16_block_bytes)
         num_blocks = self.kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(

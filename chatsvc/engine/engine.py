@@ -123,7 +123,9 @@ class LLMEngine:
         limit = config.max_model_len or loaded.config.max_context_len
         self.max_context_len = min(limit, self.model.max_positions)
         shape = self.model.kv_shape(config.block_size)
-        self.num_gpu_blocks = config.num_blocks_for(shape.block_bytes(self.model.dtype))
+        self.num_gpu_blocks = config.num_blocks_for(
+            shape.block_bytes(self.model.dtype), shape.block_bytes(torch.bfloat16)
+        )
         self.num_host_blocks = config.host_blocks_for(self.num_gpu_blocks)
         self.cache = KVCacheManager(
             self.num_gpu_blocks,

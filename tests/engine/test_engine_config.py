@@ -48,3 +48,24 @@ def test_the_engine_builds_its_kernels_in_its_data_dir(smollm2_fp32, tmp_path, m
     monkeypatch.setattr(native, "_build_dir", None)
     LLMEngine(EngineConfig(dtype="fp32", num_gpu_blocks=8, data_dir=str(tmp_path)), smollm2_fp32)
     assert native.build_dir() == tmp_path / "kernels"
+
+
+def test_the_default_pool_holds_as_many_blocks_in_fp32_as_in_bf16(smollm2_fp32):
+    import torch
+
+    from chatsvc.engine.config import DEFAULT_KV_CACHE_BYTES
+
+    shape = smollm2_fp32.model.kv_shape(16)
+    fp32, bf16 = shape.block_bytes(torch.float32), shape.block_bytes(torch.bfloat16)
+    assert fp32 == 2 * bf16
+    default = EngineConfig()
+    assert default.kv_cache_bytes is None
+    blocks = DEFAULT_KV_CACHE_BYTES // bf16
+    # A CPU without native bf16 serves fp32: the same blocks, in twice the bytes.
+    assert default.num_blocks_for(fp32, bf16) == default.num_blocks_for(bf16, bf16) == blocks
+    # Bytes given are bytes: fp32 then holds half the blocks.
+    given = EngineConfig.from_env({"CHATSVC_KV_CACHE_BYTES": str(DEFAULT_KV_CACHE_BYTES)})
+    assert given.num_blocks_for(fp32, bf16) == blocks // 2
+    assert given.num_blocks_for(bf16, bf16) == blocks
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        EngineConfig(kv_cache_bytes=0).validate()
