@@ -68,3 +68,18 @@ def test_working_set_reports_each_run(tmp_path):
     for run in ("disk on:", "disk off:", "all memory:"):
         assert run in out
     assert re.search(r"hit rate [\d.]+% of ideal", out)
+
+
+def test_warm_restart_repeats_print_each_ratio_and_their_median(capsys):
+    from bench.kv_disk.warm_restart import parse_args, print_repeats
+
+    assert parse_args([]).repeat == 1 and parse_args(["--repeat", "3"]).repeat == 3
+    rows = {}
+    for r, (a, c) in enumerate([(0.10, 0.12), (0.10, 0.15), (0.20, 0.20)]):
+        for paced in (False, True):
+            rows["a", paced, r] = [{"ttft": a}, {"ttft": a}]
+            rows["c", paced, r] = [{"ttft": c * 2}, {"ttft": c}]  # the first one slower
+    print_repeats(rows, (False, True), 3)
+    out = capsys.readouterr().out
+    assert "all sessions at once, 3 repeats: 1.80x, 2.25x, 1.50x; median 1.80x" in out
+    assert "first request after each restart / (a) p50: 2.40x, 3.00x, 2.00x; median 2.40x" in out
