@@ -150,7 +150,8 @@ def request_rate_middleware(
                         try:
                             await app(scope, receive, send)
                         finally:
-                            buckets.charge(tenant, meter.bytes_read // BYTES_PER_REQUEST)
+                            past = max(0, meter.bytes_read - BYTES_PER_REQUEST)
+                            buckets.charge(tenant, past // BYTES_PER_REQUEST)
                     return
             await app(scope, receive, send)
 
