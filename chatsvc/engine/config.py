@@ -88,7 +88,7 @@ class EngineConfig:
     max_load_gather_s: float = SchedulerConfig.max_load_gather_s
     debug_checks: bool = False
     seed: int = 0  # random-weights models only
-    num_threads: int | None = None  # torch intra-op threads; None: one per CPU core
+    num_threads: int | None = None  # torch intra-op threads; None: the usable CPUs, governed
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
     kv_disk_write: str = "through"
