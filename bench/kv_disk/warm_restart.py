@@ -131,20 +131,20 @@ async def main_async(args) -> None:
     repeats = range(args.repeat)
     snaps = {(r, p): root / f"snapshot-{r}-{int(p)}" for r in repeats for p in arrivals}
     turn = args.turns
-    runs: dict[tuple[str, bool], list[dict]] = {}
-    again: dict[tuple[str, bool, int], list[dict]] = {}  # (a)/(c) of every repeat
+    # (run, paced, repeat) -> its rows; (b) runs once, as repeat 0
+    runs: dict[tuple[str, bool, int], list[dict]] = {}
     num_files = {}
     for r in repeats:
         for paced in arrivals:
             await settle(engine)
             num_files[r, paced] = snapshot(live, snaps[r, paced])
             tag = f"a{int(paced)}r{r}-"
-            again["a", paced, r] = await last_turn(engine, convs, turn, args, tag, paced, r)
+            runs["a", paced, r] = await last_turn(engine, convs, turn, args, tag, paced, r)
     await engine.stop()
 
     for paced in arrivals:  # a new engine each time: a recompute must not find the last one
         cold = await started(engine_config(args, kv_disk_bytes=0))
-        runs["b", paced] = await last_turn(cold, convs, turn, args, f"b{int(paced)}-", paced)
+        runs["b", paced, 0] = await last_turn(cold, convs, turn, args, f"b{int(paced)}-", paced)
         await cold.stop()
 
     restart_s, warm_up_s, disk_stats = {}, {}, {}
@@ -153,13 +153,11 @@ async def main_async(args) -> None:
             config = engine_config(args, kv_disk_dir=str(snaps[r, paced]))
             warm, started_s, warm_up = await started_timed(config)
             tag = f"c{int(paced)}r{r}-"
-            again["c", paced, r] = await last_turn(warm, convs, turn, args, tag, paced, r)
+            runs["c", paced, r] = await last_turn(warm, convs, turn, args, tag, paced, r)
             if r == 0:
                 restart_s[paced], warm_up_s[paced] = started_s, warm_up
                 disk_stats[paced] = warm.cache_stats()["disk"]
             await warm.stop()
-    for paced in arrivals:
-        runs["a", paced], runs["c", paced] = again["a", paced, 0], again["c", paced, 0]
     if not args.kv_dir:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -183,27 +181,27 @@ async def main_async(args) -> None:
         how = "one at a time" if paced else "all sessions at once"
         print(f"turn {turn + 1}, {how:<21} ttft_p50_ms  ttft_p90_ms  cached/prompt")
         for key, name in names.items():
-            rows = runs[key, paced]
+            rows = runs[key, paced, 0]
             ttfts = [r["ttft"] for r in rows]
             cached, prompt = sum(r["cached"] for r in rows), sum(r["prompt"] for r in rows)
             print(
                 f"{name:<32} {p50(ttfts) * 1e3:>11.1f}  {percentile(ttfts, 90) * 1e3:>11.1f}  "
                 f"{cached}/{prompt}"
             )
-        a, b, c = (p50([r["ttft"] for r in runs[key, paced]]) for key in "abc")
+        a, b, c = (p50([r["ttft"] for r in runs[key, paced, 0]]) for key in "abc")
         print(
             f"(c)/(a) p50 = {c / a:.2f}x (target <= 1.5x; ready-means-warm <= 1.3x); "
             f"(b)/(c) p50 = {b / c:.1f}x (target >= 5x)"
         )
-        prompts = [r["prompt"] for r in runs["c", paced]]
+        prompts = [r["prompt"] for r in runs["c", paced, 0]]
         print(f"turn {turn + 1} prompts {min(prompts)}-{max(prompts)} tokens")
         if paced:  # the one request a new engine serves first, with nothing queued before it
-            first = runs["c", paced][0]["ttft"]
+            first = runs["c", paced, 0][0]["ttft"]
             print(
                 f"(c) the first request after the restart: {first * 1e3:.1f} ms "
                 f"= {first / a:.2f}x (a) p50 (target <= 1.3x)"
             )
-        disk_on = runs["c", paced]
+        disk_on = runs["c", paced, 0]
         tiers = {
             t: sum(r["by_tier"].get(t, 0) for r in disk_on) for t in ("device", "host", "disk")
         }
@@ -215,19 +213,19 @@ async def main_async(args) -> None:
             f"{stats['loaded_bytes'] / 2**20:.0f} MiB"
         )
     if args.repeat > 1:
-        print_repeats(again, arrivals, args.repeat)
+        print_repeats(runs, arrivals, args.repeat)
 
 
-def print_repeats(again, arrivals, repeat: int) -> None:
+def print_repeats(runs, arrivals, repeat: int) -> None:
     """(c)/(a) p50 of every repeat, and their median (with the first request after
     each restart, one at a time)."""
     for paced in arrivals:
         how = "one at a time" if paced else "all sessions at once"
         ratios, firsts = [], []
         for r in range(repeat):
-            a = p50([row["ttft"] for row in again["a", paced, r]])
-            ratios.append(p50([row["ttft"] for row in again["c", paced, r]]) / a)
-            firsts.append(again["c", paced, r][0]["ttft"] / a)
+            a = p50([row["ttft"] for row in runs["a", paced, r]])
+            ratios.append(p50([row["ttft"] for row in runs["c", paced, r]]) / a)
+            firsts.append(runs["c", paced, r][0]["ttft"] / a)
         line = ", ".join(f"{x:.2f}x" for x in ratios)
         print(f"(c)/(a) p50, {how}, {repeat} repeats: {line}; median {p50(ratios):.2f}x")
         if paced:

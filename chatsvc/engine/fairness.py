@@ -108,7 +108,8 @@ COST_PER_LOGIT_ROW = 1
 
 def step_cost(tokens: int, context: int, logit_rows: int = 0) -> int:
     """Cost in tokens of computing ``tokens`` new tokens of a sequence whose KV then
-    spans ``context`` tokens (this step's included), ``logit_rows`` of them scored."""
+    spans ``context`` tokens (this step's included), ``logit_rows`` logits rows among them
+    (``COST_PER_LOGIT_ROW`` each)."""
     return (
         tokens
         + tokens * context // CONTEXT_PER_ROW
