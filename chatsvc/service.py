@@ -189,10 +189,11 @@ async def start_engine(services: Services) -> None:
         # The library's hash tells an operator which compiled kernels run inside the service.
         digest = info.kernel_library_sha256
         log.info(
-            "engine loaded in %.1f s: %s, %s, kernels %s%s, %d KV blocks of %d tokens",
+            "engine loaded in %.1f s: %s, %s, weights %s, kernels %s%s, %d KV blocks of %d tokens",
             loaded,
             info.model_name,
             info.dtype,
+            info.weight_layout,
             info.kernel_backend,
             f" (library sha256 {digest})" if digest else "",
             info.num_gpu_blocks,

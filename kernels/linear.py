@@ -1,14 +1,16 @@
 """The linear layers of the forward pass, one variant per weight layout.
 
-    layout   weights                                    matmuls
-    plain    the ``[out, in]`` matrices as loaded       F.linear, addmm
-    onednn   prepacked in oneDNN's blocked layout       torch's oneDNN linears (CPU, fp32/bf16)
-    tiles    packed for the CPU's tile unit (AMX)       ``kernels.cpu.tile_linear`` (bf16, native)
+    layout       weights                                 matmuls
+    plain        the ``[out, in]`` matrices as loaded    F.linear, addmm
+    onednn       prepacked in oneDNN's blocked layout    torch's oneDNN linears (CPU, fp32/bf16)
+    tiles        packed for the CPU's tile unit (AMX)    ``kernels.cpu.tile_linear`` (bf16, native)
+    bf16_blocks  bf16 in 16-column blocks, fp32 model    ``kernels.cpu.bf16_linear`` (AVX2, native)
 
 A model picks its layout once, at load (``choose_layout``), packs its matrices with
 that variant's ``pack`` and runs every projection through its ``linear`` /
-``linear_add`` (the residual add fused into the matmul). Whether the tile unit may
-run the linears is the kernels' decision (``kernels.backend.tile_linears_available``).
+``linear_add`` (the residual add fused into the matmul). Whether the native linears
+may run is the kernels' decision (``kernels.backend.tile_linears_available``,
+``kernels.backend.bf16_linears_available``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import tile_linears_available
+from kernels.backend import bf16_linears_available, tile_linears_available
+from kernels.cpu.bf16_linear import Bf16Weight, pack_bf16_weight
+from kernels.cpu.bf16_linear import bf16_linear as _bf16_linear
 from kernels.cpu.tile_linear import TileWeight, pack_tile_weight
 from kernels.cpu.tile_linear import tile_linear as _tile_linear
 
-WEIGHT_LAYOUTS = ("tiles", "onednn", "plain")
+WEIGHT_LAYOUTS = ("tiles", "bf16_blocks", "onednn", "plain")
 
 
 class Linears(NamedTuple):
@@ -53,25 +57,48 @@ def _onednn_runs_bf16() -> bool:
         return False
 
 
-def choose_layout(choice: bool | str | None, device: torch.device, dtype: torch.dtype) -> str:
+def choose_layout(
+    choice: bool | str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    exact_in_bf16: bool = False,
+) -> str:
     """A model's ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``: a layout by name, True
-    or None = the first of tiles and onednn available here (None: plain where neither
-    is), False = plain. Raises ``ValueError`` for a layout not available here."""
+    or None = the first of tiles, bf16_blocks and onednn available here (None: plain
+    where none is), False = plain. bf16_blocks is a default only for weights that are
+    ``exact_in_bf16`` (a bf16 checkpoint served in fp32): the model is then unchanged,
+    only read in half the bytes; asked for by name it rounds any weights to bf16.
+    Raises ``ValueError`` for a layout not available here."""
     tiles = tile_linears_available(device, dtype)
+    blocks = bf16_linears_available(device, dtype)
     onednn = can_prepack(device, dtype)
     if choice is False:
         return "plain"
     if choice is None or choice is True:
-        if tiles or onednn:
-            return "tiles" if tiles else "onednn"
+        if tiles:
+            return "tiles"
+        if blocks and exact_in_bf16:
+            return "bf16_blocks"
+        if onednn:
+            return "onednn"
         if choice is None:
             return "plain"
         raise ValueError("weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)")
     if choice not in WEIGHT_LAYOUTS:
         raise ValueError(f"prepack_weights must be a bool, None or one of {WEIGHT_LAYOUTS}")
-    if (choice == "tiles" and not tiles) or (choice == "onednn" and not onednn):
+    available = {"tiles": tiles, "bf16_blocks": blocks, "onednn": onednn, "plain": True}
+    if not available[choice]:
         raise ValueError(f"the {choice!r} weight layout is not available for {dtype} on {device}")
     return choice
+
+
+def exact_in_bf16(matrices) -> bool:
+    """Whether every matrix holds only values bf16 represents (stops at the first that does
+    not: random fp32 weights fail on their first matrix)."""
+    return all(
+        m.dtype == torch.bfloat16 or torch.equal(m, m.to(torch.bfloat16).to(m.dtype))
+        for m in matrices
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -112,6 +139,16 @@ def tile_linear_add(x: torch.Tensor, weight: TileWeight, residual: torch.Tensor)
     return _tile_linear(x, weight, None, residual)
 
 
+def bf16_blocks_linear(x: torch.Tensor, weight: Bf16Weight, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.bf16_linear.pack_bf16_weight``."""
+    return _bf16_linear(x, weight, bias)
+
+
+def bf16_blocks_linear_add(x: torch.Tensor, weight: Bf16Weight, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a bf16-block weight."""
+    return _bf16_linear(x, weight, None, residual)
+
+
 def _plain(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
@@ -120,4 +157,7 @@ LINEARS = {
     "plain": Linears("plain", _plain, linear, linear_add),
     "onednn": Linears("onednn", prepack, packed_linear, packed_linear_add),
     "tiles": Linears("tiles", pack_tile_weight, tile_linear, tile_linear_add),
+    "bf16_blocks": Linears(
+        "bf16_blocks", pack_bf16_weight, bf16_blocks_linear, bf16_blocks_linear_add
+    ),
 }

@@ -436,6 +436,7 @@ def _describe(engine: LLMEngine) -> EngineInfo:
     return EngineInfo(
         model_name=engine.model_name,
         dtype=str(engine.model.dtype).removeprefix("torch."),
+        weight_layout=engine.model.weight_layout,
         device=str(engine.model.device),
         kernel_backend=backend,
         kernel_library_sha256=native.library_sha256() if backend == "native" else None,

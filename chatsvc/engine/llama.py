@@ -26,7 +26,7 @@ from chatsvc.engine.layers import RotaryTables
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
 from kernels.kv_layout import KVShape
-from kernels.linear import LINEARS, choose_layout
+from kernels.linear import LINEARS, choose_layout, exact_in_bf16
 from kernels.step.bind import StepDims, bind_step
 
 
@@ -50,8 +50,10 @@ class LlamaModel:
 
         prepack_weights: store the matrices in a layout made for the CPU's matrix code
         (``kernels.linear.WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.cpu.tile_linear``
-        (bf16 with AMX and the native kernels), ``"onednn"`` for torch's oneDNN linears; True
-        or None = the first of those available here (None: plain where neither is), False =
+        (bf16 with AMX and the native kernels), ``"bf16_blocks"`` for ``kernels.cpu.bf16_linear``
+        (an fp32 model reading bf16-stored weights, AVX2 and the native kernels: a default only
+        where the weights are exact in bf16), ``"onednn"`` for torch's oneDNN linears; True
+        or None = the first of those available here (None: plain where none is), False =
         plain. The plain matrices in ``weights.layers`` are replaced by the packed ones, which
         still report their ``[out, in]`` shape.
         """
@@ -68,7 +70,12 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
         self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps)
-        self.weight_layout = choose_layout(prepack_weights, self.device, self.dtype)
+        exact = (
+            prepack_weights in (None, True)
+            and self.dtype == torch.float32
+            and exact_in_bf16(_matrices(weights))
+        )
+        self.weight_layout = choose_layout(prepack_weights, self.device, self.dtype, exact)
         self.linears = LINEARS[self.weight_layout]
         self.prepacked = self.weight_layout != "plain"
         self._lm_head = weights.lm_head
@@ -159,3 +166,9 @@ class LlamaModel:
         return mm(last, self._lm_head).float()  # [B, vocab]
 
     __call__ = forward
+
+
+def _matrices(weights: ModelWeights):
+    for layer in weights.layers:
+        yield from (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+    yield weights.lm_head

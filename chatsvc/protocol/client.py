@@ -110,7 +110,8 @@ class EngineInfo:
     """What a started engine serves, for the start-up log line and reports."""
 
     model_name: str
-    dtype: str  # "bfloat16", "float32", ...
+    dtype: str  # "bfloat16", "float32", ...: what the model computes in
+    weight_layout: str  # kernels.linear.WEIGHT_LAYOUTS: how its matrices are stored and read
     device: str
     kernel_backend: str  # "native" | "torch" | "triton" (kernels.backend decides)
     kernel_library_sha256: str | None  # the native C library's digest; None off native

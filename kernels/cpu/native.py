@@ -53,6 +53,7 @@ SOURCES = tuple(
         "write_kv.c",
         "layers.c",
         "tile_linear.c",
+        "bf16_linear.c",
     )
 )
 # Included by the sources: in the key.
@@ -277,6 +278,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.chatsvc_linear_uses_tiles.restype = ctypes.c_int
     lib.chatsvc_linear_uses_tiles.argtypes = []
+    lib.chatsvc_bf16_linear_packed_elements.restype = i64
+    lib.chatsvc_bf16_linear_packed_elements.argtypes = [i64, i64]
+    lib.chatsvc_bf16_linear_pack.restype = None
+    lib.chatsvc_bf16_linear_pack.argtypes = [ptr, i64, i64, i64, ptr]  # as chatsvc_linear_pack
+    wide = lib.chatsvc_bf16_linear
+    wide.restype = ctypes.c_int
+    wide.argtypes = list(linear.argtypes)  # the same arguments, x/bias/residual/out fp32
+    lib.chatsvc_bf16_linear_available.restype = ctypes.c_int
+    lib.chatsvc_bf16_linear_available.argtypes = []
 
 
 def library() -> ctypes.CDLL | None:

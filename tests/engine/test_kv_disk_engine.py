@@ -168,6 +168,10 @@ def test_a_different_model_dtype_or_block_size_never_loads_foreign_kv(
         smollm2_fp32, torch.float32, smollm2_fp32.model.kv_shape(32), 0, None
     )
     assert len({fingerprint, other_dtype, other_bs}) == 3
+    # The same weights in another layout (other sums, other KV bits): another fingerprint.
+    other_layout = "plain" if smollm2_fp32.model.weight_layout != "plain" else "onednn"
+    relaid = load_local(smollm2_fp32.path, torch.float32, "cpu", prepack_weights=other_layout)
+    assert model_fingerprint(relaid, torch.float32, shape, 0, None) != fingerprint
     with engine_on(smollm2_fp32, config(tmp_path, block_size=32)) as other:
         assert other.disk_tier.num_found == 0 and other.disk_tier.directory.path != own_dir
 

@@ -134,6 +134,28 @@ def test_weight_layouts_agree_in_bf16(smollm2_fp32, paged_driver, kernel_backend
     assert int(got.argmax()) == int(ref.argmax())
 
 
+def test_an_fp32_model_reads_its_bf16_checkpoint_in_bf16(
+    smollm2_fp32, paged_driver, kernel_backend
+):
+    """Served in fp32, the bf16 checkpoint's matrices stay bf16 (bf16_blocks: half the bytes
+    a step reads) where the native kernels have AVX2; the logits are oneDNN's fp32 ones
+    but for the order of the sums."""
+    from chatsvc.engine.loader import load_model
+    from kernels.backend import bf16_linears_available
+
+    # The layout was chosen at load (the session's backend: native unless the environment
+    # says torch); this test's backend runs the attention and element-wise kernels.
+    if kernel_backend == "native":
+        expected = bf16_linears_available("cpu", torch.float32)
+        assert (smollm2_fp32.model.weight_layout == "bf16_blocks") == expected
+    onednn = load_model("smollm2", dtype="fp32", max_positions=256, prepack_weights="onednn")
+    tokens = _ids(smollm2_fp32, PROMPTS[1])
+    got = paged_driver(smollm2_fp32.model, seed=6).step({"s": tokens})[0]
+    ref = paged_driver(onednn.model, seed=6).step({"s": tokens})[0]
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-4)
+    assert int(got.argmax()) == int(ref.argmax())
+
+
 def test_the_forward_pass_reaches_kernels_only_through_its_bound_step(
     smollm2_fp32, paged_driver, kernel_backend, monkeypatch
 ):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import ENV_VAR, tile_linears_available
-from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout
+from kernels.backend import ENV_VAR, bf16_linears_available, tile_linears_available
+from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout, exact_in_bf16
 
 CPU = torch.device("cpu")
 
@@ -20,13 +20,15 @@ def _available(dtype):
         if layout == "plain"
         or (layout == "onednn" and can_prepack(CPU, dtype))
         or (layout == "tiles" and tile_linears_available(CPU, dtype))
+        or (layout == "bf16_blocks" and bf16_linears_available(CPU, dtype))
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_layout_computes_the_plain_matmuls(dtype):
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 64, generator=gen).to(dtype)
+    # Values bf16 holds, so the bf16_blocks layout (which rounds to bf16) computes them too.
+    weight = torch.randn(96, 64, generator=gen).bfloat16().to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype)
     x = torch.randn(5, 64, generator=gen).to(dtype)
     residual = torch.randn(5, 96, generator=gen).to(dtype)
@@ -58,3 +60,26 @@ def test_prepack_weights_picks_a_layout_the_kernels_allow(monkeypatch):
     if tile_linears_available(CPU, torch.bfloat16):
         assert choose_layout(None, CPU, torch.bfloat16) == "tiles"
         assert choose_layout("onednn", CPU, torch.bfloat16) == "onednn"
+
+
+def test_an_fp32_model_reads_bf16_weights_only_where_that_changes_nothing(monkeypatch):
+    """bf16_blocks is the fp32 default only for weights exact in bf16 (a bf16 checkpoint);
+    other fp32 weights keep oneDNN's layout unless the layout is asked for by name."""
+    monkeypatch.setenv(ENV_VAR, "native")
+    gen = torch.Generator().manual_seed(1)
+    exact = torch.randn(8, 8, generator=gen).bfloat16().float()
+    inexact = exact + 1e-4
+    assert exact_in_bf16([exact, exact.bfloat16()]) and not exact_in_bf16([exact, inexact])
+    if not bf16_linears_available(CPU, torch.float32):
+        with pytest.raises(ValueError, match="'bf16_blocks' weight layout is not available"):
+            choose_layout("bf16_blocks", CPU, torch.float32)
+        return
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=True) == "bf16_blocks"
+    assert choose_layout(True, CPU, torch.float32, exact_in_bf16=True) == "bf16_blocks"
+    fallback = "onednn" if can_prepack(CPU, torch.float32) else "plain"
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=False) == fallback
+    assert choose_layout("bf16_blocks", CPU, torch.float32) == "bf16_blocks"
+    with pytest.raises(ValueError, match="'bf16_blocks' weight layout is not available"):
+        choose_layout("bf16_blocks", CPU, torch.bfloat16)  # a bf16 model has its own
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=True) == fallback

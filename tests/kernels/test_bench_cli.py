@@ -58,11 +58,14 @@ def test_cpu_attention_bench_baseline_is_a_second_build_that_agrees(tmp_path, mo
     assert_close(fns["baseline"]().clone(), fns["native"](), torch.bfloat16)
 
 
-def test_linear_bench_layouts_compute_the_same_step():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_bench_layouts_compute_the_same_step(dtype):
     from bench import linear
+    from kernels.cpu.bf16_linear import bf16_linear_available
 
-    fns = linear.layout_fns(rows=5)
+    fns = linear.layout_fns(rows=5, dtype=dtype)
     reference = fns.pop("plain")()
-    assert ("onednn" in fns) == can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert ("onednn" in fns) == can_prepack(torch.device("cpu"), dtype)
+    assert ("bf16_blocks" in fns) == bf16_linear_available("cpu", dtype)
     for fn in fns.values():
-        assert_close(fn(), reference, torch.bfloat16)
+        assert_close(fn(), reference, dtype)

@@ -4,7 +4,11 @@ KV is only reusable by the exact computation that produced it, so the
 fingerprint covers everything that changes a block's bytes or their meaning:
 
     format version | model identity (name and shape) | weights digest
-    | dtype | block size | KV layout (kv_layout's dims and their order)
+    | dtype | weight layout | block size | KV layout (kv_layout's dims and their order)
+
+The weight layout (``kernels.linear``) names how the matrices are stored and summed:
+an fp32 model reading bf16-stored weights, or another order of the same sums, writes
+other KV bits, and a hit must answer as a miss would.
 
 A block written under another fingerprint is never loaded: the tier keeps each
 fingerprint's files in a directory of its own, and every file's header
@@ -42,13 +46,14 @@ log = logging.getLogger(__name__)
 def model_fingerprint(
     loaded, dtype: torch.dtype, kv_shape: KVShape, seed: int, memo_path: Path | None
 ) -> bytes:
-    """16 bytes naming the model, weights, dtype, block size and KV layout."""
+    """16 bytes naming the model, weights, dtype, weight layout, block size and KV layout."""
     identity = {
         "format": FORMAT_VERSION,
         "name": loaded.name,
         "config": dataclasses.asdict(loaded.config),
         "weights": weights_digest(loaded, seed, memo_path),
         "dtype": str(dtype),
+        "weight_layout": loaded.model.weight_layout,
         "kv_shape": dataclasses.asdict(kv_shape),
         "kv_layout": KV_LAYOUT,
     }
