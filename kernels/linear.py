@@ -57,27 +57,49 @@ def _onednn_runs_bf16() -> bool:
         return False
 
 
+WEIGHT_DTYPES = ("auto", "bf16", "fp32")
+
+
 def choose_layout(
     choice: bool | str | None,
     device: torch.device,
     dtype: torch.dtype,
-    exact_in_bf16: bool = False,
+    weight_dtype: str | None = None,
+    exact_in_bf16: Callable[[], bool] = lambda: False,
 ) -> str:
     """A model's ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``: a layout by name, True
     or None = the first of tiles, bf16_blocks and onednn available here (None: plain
-    where none is), False = plain. bf16_blocks is a default only for weights that are
-    ``exact_in_bf16`` (a bf16 checkpoint served in fp32): the model is then unchanged,
-    only read in half the bytes; asked for by name it rounds any weights to bf16.
-    Raises ``ValueError`` for a layout not available here."""
+    where none is), False = plain.
+
+    ``weight_dtype`` (``WEIGHT_DTYPES``; None = "auto") is what an fp32 model stores its
+    matrices in: "auto" takes bf16_blocks only where the weights are ``exact_in_bf16()``
+    (a bf16 checkpoint: the model is unchanged, read in half the bytes), "bf16" rounds
+    any weights to bf16 for it, "fp32" keeps them in fp32. A bf16 model stores bf16
+    whatever it says but "fp32". Raises ``ValueError`` for a layout or weight dtype not
+    available here."""
+    weight_dtype = weight_dtype or "auto"
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    if weight_dtype == "fp32" and dtype != torch.float32:
+        raise ValueError(f"fp32 weights need an fp32 model, not {dtype}")
     tiles = tile_linears_available(device, dtype)
     blocks = bf16_linears_available(device, dtype)
     onednn = can_prepack(device, dtype)
+    available = {"tiles": tiles, "bf16_blocks": blocks, "onednn": onednn, "plain": True}
+    if dtype == torch.float32 and weight_dtype == "bf16":
+        if choice not in (None, True, "bf16_blocks"):
+            raise ValueError(
+                f"bf16 weights in an fp32 model are the bf16_blocks layout, not {choice!r}"
+            )
+        choice = "bf16_blocks"
+    if choice == "bf16_blocks" and weight_dtype == "fp32":
+        raise ValueError("the bf16_blocks layout stores bf16 weights, not fp32 ones")
     if choice is False:
         return "plain"
     if choice is None or choice is True:
         if tiles:
             return "tiles"
-        if blocks and exact_in_bf16:
+        if blocks and weight_dtype == "auto" and exact_in_bf16():
             return "bf16_blocks"
         if onednn:
             return "onednn"
@@ -86,7 +108,6 @@ def choose_layout(
         raise ValueError("weight prepacking needs fp32/bf16 on a CPU build with oneDNN (mkldnn)")
     if choice not in WEIGHT_LAYOUTS:
         raise ValueError(f"prepack_weights must be a bool, None or one of {WEIGHT_LAYOUTS}")
-    available = {"tiles": tiles, "bf16_blocks": blocks, "onednn": onednn, "plain": True}
     if not available[choice]:
         raise ValueError(f"the {choice!r} weight layout is not available for {dtype} on {device}")
     return choice

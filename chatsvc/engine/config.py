@@ -11,6 +11,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+# kernels.linear.WEIGHT_DTYPES, named here too so settings are checked without torch
+# (tests/engine/test_model_linear.py holds them equal).
+WEIGHT_DTYPES = ("auto", "bf16", "fp32")
+
 ENV_PREFIX = "CHATSVC_"
 # The default pool: as many blocks as this many bytes hold in bf16, in every dtype, so
 # a CPU without native bf16 (fp32, twice the bytes a block) caches as many sessions.
@@ -70,6 +74,9 @@ class EngineConfig:
 
     model: str = "smollm2"
     dtype: str | None = None  # "bf16" | "fp16" | "fp32"; None: bf16 where native, else fp32
+    # What an fp32 model stores its matrices in (kernels.linear.WEIGHT_DTYPES): "auto" =
+    # bf16 where that loses nothing (a bf16 checkpoint), "bf16", "fp32".
+    weight_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -139,6 +146,10 @@ class EngineConfig:
             raise ValueError("kv_disk_queue_blocks must be >= 1 and kv_disk_retry_s >= 0")
         if self.kv_disk_load_threads < 1:
             raise ValueError(f"kv_disk_load_threads must be >= 1, got {self.kv_disk_load_threads}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
+            )
         if not 0 <= self.warm_up_s <= 3600:
             raise ValueError(f"warm_up_s must be 0..3600 seconds, got {self.warm_up_s}")
         return self

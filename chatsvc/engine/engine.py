@@ -109,6 +109,7 @@ class LLMEngine:
                 config.max_model_len,
                 config.seed,
                 data_dir=config.data_dir,
+                weight_dtype=config.weight_dtype,
             )
         self.loaded = loaded
         self.model = loaded.model

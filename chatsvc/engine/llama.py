@@ -44,6 +44,7 @@ class LlamaModel:
         max_positions: int | None = None,
         check_bounds: bool = True,
         prepack_weights: bool | str | None = None,
+        weight_dtype: str | None = None,
     ) -> None:
         """check_bounds: validate each step's slots and block ids against the pool once per
         step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
@@ -56,6 +57,9 @@ class LlamaModel:
         or None = the first of those available here (None: plain where none is), False =
         plain. The plain matrices in ``weights.layers`` are replaced by the packed ones, which
         still report their ``[out, in]`` shape.
+
+        weight_dtype: what an fp32 model stores its matrices in (``kernels.linear.choose_layout``:
+        None = bf16 where that loses nothing, "bf16", "fp32").
         """
         if len(weights.layers) != config.num_layers:
             raise ValueError(
@@ -70,12 +74,13 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
         self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps)
-        exact = (
-            prepack_weights in (None, True)
-            and self.dtype == torch.float32
-            and exact_in_bf16(_matrices(weights))
+        self.weight_layout = choose_layout(
+            prepack_weights,
+            self.device,
+            self.dtype,
+            weight_dtype,
+            lambda: exact_in_bf16(_matrices(weights)),
         )
-        self.weight_layout = choose_layout(prepack_weights, self.device, self.dtype, exact)
         self.linears = LINEARS[self.weight_layout]
         self.prepacked = self.weight_layout != "plain"
         self._lm_head = weights.lm_head

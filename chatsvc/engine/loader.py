@@ -77,6 +77,7 @@ def load_model(
     seed: int = 0,
     prepack_weights: bool | str | None = None,
     data_dir: str | Path | None = None,
+    weight_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a model by spec (see the module docstring).
 
@@ -87,6 +88,8 @@ def load_model(
     available; "tiles" or "onednn" picks one); see ``LlamaModel``.
     data_dir: the data directory whose ``models/`` holds the converted default model
     (None: ``~/.cache/chatsvc``).
+    weight_dtype: what an fp32 model stores its matrices in (None: bf16 where that loses
+    nothing; "bf16"; "fp32"); see ``kernels.linear.choose_layout``.
     """
     resolved = resolve_dtype(dtype, device)
     if spec == DEFAULT_SPEC:
@@ -96,6 +99,7 @@ def load_model(
             device,
             max_positions,
             prepack_weights,
+            weight_dtype,
         )
         return LoadedModel(
             loaded.config, loaded.model, loaded.tokenizer, DEFAULT_MODEL_NAME, loaded.path
@@ -104,7 +108,13 @@ def load_model(
         shape = spec[len(RANDOM_PREFIX) :]
         config = named_config(shape)
         weights = random_weights(config, resolved, device, seed=seed)
-        model = LlamaModel(config, weights, max_positions, prepack_weights=prepack_weights)
+        model = LlamaModel(
+            config,
+            weights,
+            max_positions,
+            prepack_weights=prepack_weights,
+            weight_dtype=weight_dtype,
+        )
         tokenizer = load_tokenizer(ensure_default_model(models_dir(data_dir)))
         return LoadedModel(config, model, tokenizer, spec, None)
     path = Path(spec).expanduser()
@@ -113,7 +123,7 @@ def load_model(
             f"unknown model spec {spec!r}: expected {DEFAULT_SPEC!r}, "
             f"'{RANDOM_PREFIX}<name>' or a local model directory"
         )
-    return load_local(path, resolved, device, max_positions, prepack_weights)
+    return load_local(path, resolved, device, max_positions, prepack_weights, weight_dtype)
 
 
 def load_local(
@@ -122,10 +132,13 @@ def load_local(
     device: torch.device | str,
     max_positions: int | None = None,
     prepack_weights: bool | str | None = None,
+    weight_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a local Hugging Face directory straight into our model (no transformers model)."""
     config = read_config(model_dir)
     with open_safetensors(model_dir) as get:
         weights = build_weights(config, get, dtype, device)
-    model = LlamaModel(config, weights, max_positions, prepack_weights=prepack_weights)
+    model = LlamaModel(
+        config, weights, max_positions, prepack_weights=prepack_weights, weight_dtype=weight_dtype
+    )
     return LoadedModel(config, model, load_tokenizer(model_dir), model_dir.name, model_dir)

@@ -74,12 +74,41 @@ def test_an_fp32_model_reads_bf16_weights_only_where_that_changes_nothing(monkey
         with pytest.raises(ValueError, match="'bf16_blocks' weight layout is not available"):
             choose_layout("bf16_blocks", CPU, torch.float32)
         return
-    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=True) == "bf16_blocks"
-    assert choose_layout(True, CPU, torch.float32, exact_in_bf16=True) == "bf16_blocks"
+    yes, no = (lambda: True), (lambda: False)
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=yes) == "bf16_blocks"
+    assert choose_layout(True, CPU, torch.float32, exact_in_bf16=yes) == "bf16_blocks"
     fallback = "onednn" if can_prepack(CPU, torch.float32) else "plain"
-    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=False) == fallback
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=no) == fallback
     assert choose_layout("bf16_blocks", CPU, torch.float32) == "bf16_blocks"
     with pytest.raises(ValueError, match="'bf16_blocks' weight layout is not available"):
         choose_layout("bf16_blocks", CPU, torch.bfloat16)  # a bf16 model has its own
     monkeypatch.setenv(ENV_VAR, "torch")
-    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=True) == fallback
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=yes) == fallback
+
+
+def test_the_weight_dtype_setting_reaches_the_layout(monkeypatch):
+    from chatsvc.engine import config as engine_config
+    from kernels.linear import WEIGHT_DTYPES
+
+    assert engine_config.WEIGHT_DTYPES == WEIGHT_DTYPES
+    with pytest.raises(ValueError, match="CHATSVC_WEIGHT_DTYPE|weight_dtype must be one of"):
+        engine_config.EngineConfig.from_env({"CHATSVC_WEIGHT_DTYPE": "int4"})
+    assert (
+        engine_config.EngineConfig.from_env({"CHATSVC_WEIGHT_DTYPE": "fp32"}).weight_dtype == "fp32"
+    )
+    monkeypatch.setenv(ENV_VAR, "native")
+    with pytest.raises(ValueError, match="fp32 weights need an fp32 model"):
+        choose_layout(None, CPU, torch.bfloat16, "fp32")
+    exact = lambda: True  # noqa: E731
+    fallback = "onednn" if can_prepack(CPU, torch.float32) else "plain"
+    assert choose_layout(None, CPU, torch.float32, "fp32", exact) == fallback
+    with pytest.raises(ValueError, match="stores bf16 weights"):
+        choose_layout("bf16_blocks", CPU, torch.float32, "fp32")
+    with pytest.raises(ValueError, match="are the bf16_blocks layout"):
+        choose_layout("onednn", CPU, torch.float32, "bf16")
+    if bf16_linears_available(CPU, torch.float32):
+        assert choose_layout(None, CPU, torch.float32, "bf16") == "bf16_blocks"  # rounds
+        assert choose_layout(None, CPU, torch.float32, "auto", exact) == "bf16_blocks"
+    assert choose_layout(None, CPU, torch.bfloat16, "bf16") == choose_layout(
+        None, CPU, torch.bfloat16
+    )
