@@ -7,7 +7,7 @@ Every call runs the matrices of all 30 layers of SmolLM2-135M (qkv, o, gate_up, 
 for ``--rows`` input rows (the step's new tokens). Layouts: plain (``F.linear``),
 oneDNN-prepacked (torch's ``_linear_pointwise``; in bf16 where oneDNN runs it), in bf16
 on CPUs with a tile unit the tile layout of ``kernels.cpu.tile_linear``, in fp32 on CPUs
-with AVX2 the bf16-stored weights of ``kernels.cpu.bf16_linear``; the down projection
+with AVX2 the bf16- and int8-stored weights of ``kernels.cpu.narrow_linear``; the down projection
 adds the residual in each, as the model does. They run interleaved, round by round;
 medians are printed with the rate at which each layout reads its weights' bytes.
 Figures, not assertions.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from bench.model_step import interleaved_medians
-from kernels.cpu.bf16_linear import bf16_linear_available
+from kernels.cpu.narrow_linear import narrow_linear_available
 from kernels.cpu.tile_linear import tile_linear_available
 from kernels.linear import LINEARS, can_prepack
 
@@ -33,7 +33,7 @@ MATRICES = [(QKV, HIDDEN, False), (HIDDEN, HIDDEN, True), (2 * INTERMEDIATE, HID
 
 
 # Bytes per weight each layout reads, by the model's dtype.
-WEIGHT_BYTES = {"plain": None, "onednn": None, "tiles": 2, "bf16_blocks": 2}
+WEIGHT_BYTES = {"plain": None, "onednn": None, "tiles": 2, "bf16_blocks": 2, "int8_blocks": 1}
 
 
 def layout_fns(
@@ -66,8 +66,9 @@ def layout_fns(
         fns["onednn"] = run("onednn")
     if tile_linear_available("cpu", dtype):
         fns["tiles"] = run("tiles")
-    if bf16_linear_available("cpu", dtype):
+    if narrow_linear_available("cpu", dtype):
         fns["bf16_blocks"] = run("bf16_blocks")
+        fns["int8_blocks"] = run("int8_blocks")
     return fns
 
 
@@ -89,7 +90,7 @@ def main() -> None:
             megabytes = weights * (WEIGHT_BYTES[name] or dtype.itemsize) / 1e6
             parts.append(f"{name} {t:6.2f} ms ({megabytes / t:5.1f} GB/s)")
         line = f"rows {rows:>4}: " + " | ".join(parts)
-        for fast in ("tiles", "bf16_blocks"):
+        for fast in ("tiles", "bf16_blocks", "int8_blocks"):
             if fast in ms and "onednn" in ms:
                 line += f" | {fast} / onednn {ms[fast] / ms['onednn']:.2f}"
         print(line, flush=True)

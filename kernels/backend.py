@@ -17,7 +17,7 @@ not). The environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default o
         many new tokens of a sequence its C attention takes (longer runs go to the
         torch groups)
     tile_linears_available(device, dtype)         -> bf16 linears on the tile unit
-    bf16_linears_available(device, dtype)         -> fp32 linears over bf16-stored weights (AVX2)
+    narrow_linears_available(device, dtype)       -> fp32 linears, bf16/int8 weights (AVX2)
 
 ``"native"`` runs the C kernels (``kernels/cpu/*.c``) where they take the tensors
 (attention: fp32 or bf16, a head size that is a multiple of 16 up to 256) and the
@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.cpu import native
-from kernels.cpu.bf16_linear import bf16_linear_available
+from kernels.cpu.narrow_linear import narrow_linear_available
 from kernels.cpu.tile_linear import tile_linear_available
 
 BACKENDS = ("auto", "torch", "native", "triton")
@@ -127,10 +127,10 @@ def tile_linears_available(
     return resolve_backend(backend, device) == "native" and tile_linear_available(device, dtype)
 
 
-def bf16_linears_available(
+def narrow_linears_available(
     device: torch.device | str, dtype: torch.dtype, backend: str | None = None
 ) -> bool:
-    """Whether an fp32 model's linears may read bf16-stored weights
-    (``kernels.cpu.bf16_linear``): the native backend, fp32, a library built with AVX2 + FMA."""
+    """Whether an fp32 model's linears may read bf16- or int8-stored weights
+    (``kernels.cpu.narrow_linear``): the native backend, fp32, a library built with AVX2 + FMA."""
     device = torch.device(device)
-    return resolve_backend(backend, device) == "native" and bf16_linear_available(device, dtype)
+    return resolve_backend(backend, device) == "native" and narrow_linear_available(device, dtype)

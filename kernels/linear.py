@@ -4,13 +4,14 @@
     plain        the ``[out, in]`` matrices as loaded    F.linear, addmm
     onednn       prepacked in oneDNN's blocked layout    torch's oneDNN linears (CPU, fp32/bf16)
     tiles        packed for the CPU's tile unit (AMX)    ``kernels.cpu.tile_linear`` (bf16, native)
-    bf16_blocks  bf16 in 16-column blocks, fp32 model    ``kernels.cpu.bf16_linear`` (AVX2, native)
+    bf16_blocks  bf16 in 16-column blocks, fp32 model    ``kernels.cpu.narrow_linear`` (AVX2)
+    int8_blocks  int8 + a scale per row, fp32 model     ``kernels.cpu.narrow_linear`` (AVX2)
 
 A model picks its layout once, at load (``choose_layout``), packs its matrices with
 that variant's ``pack`` and runs every projection through its ``linear`` /
 ``linear_add`` (the residual add fused into the matmul). Whether the native linears
 may run is the kernels' decision (``kernels.backend.tile_linears_available``,
-``kernels.backend.bf16_linears_available``).
+``kernels.backend.narrow_linears_available``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import bf16_linears_available, tile_linears_available
-from kernels.cpu.bf16_linear import Bf16Weight, pack_bf16_weight
-from kernels.cpu.bf16_linear import bf16_linear as _bf16_linear
+from kernels.backend import narrow_linears_available, tile_linears_available
+from kernels.cpu.narrow_linear import NarrowWeight, pack_bf16_weight, pack_int8_weight
+from kernels.cpu.narrow_linear import narrow_linear as _narrow_linear
 from kernels.cpu.tile_linear import TileWeight, pack_tile_weight
 from kernels.cpu.tile_linear import tile_linear as _tile_linear
 
-WEIGHT_LAYOUTS = ("tiles", "bf16_blocks", "onednn", "plain")
+WEIGHT_LAYOUTS = ("tiles", "bf16_blocks", "int8_blocks", "onednn", "plain")
 
 
 class Linears(NamedTuple):
@@ -57,7 +58,9 @@ def _onednn_runs_bf16() -> bool:
         return False
 
 
-WEIGHT_DTYPES = ("auto", "bf16", "fp32")
+WEIGHT_DTYPES = ("auto", "bf16", "int8", "fp32")
+# The layout that stores an fp32 model's weights narrower, by weight dtype.
+NARROW_LAYOUTS = {"bf16": "bf16_blocks", "int8": "int8_blocks"}
 
 
 def choose_layout(
@@ -74,32 +77,35 @@ def choose_layout(
     ``weight_dtype`` (``WEIGHT_DTYPES``; None = "auto") is what an fp32 model stores its
     matrices in: "auto" takes bf16_blocks only where the weights are ``exact_in_bf16()``
     (a bf16 checkpoint: the model is unchanged, read in half the bytes), "bf16" rounds
-    any weights to bf16 for it, "fp32" keeps them in fp32. A bf16 model stores bf16
-    whatever it says but "fp32". Raises ``ValueError`` for a layout or weight dtype not
-    available here."""
+    any weights to bf16 (bf16_blocks), "int8" quantizes them (int8_blocks), "fp32"
+    keeps them. A bf16 model keeps bf16 weights; "int8" and "fp32" are refused there.
+    Raises ``ValueError`` for a layout or weight dtype not available here."""
     weight_dtype = weight_dtype or "auto"
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
-    if weight_dtype == "fp32" and dtype != torch.float32:
-        raise ValueError(f"fp32 weights need an fp32 model, not {dtype}")
+    if weight_dtype in ("fp32", "int8") and dtype != torch.float32:
+        raise ValueError(f"{weight_dtype} weights run in an fp32 model (dtype fp32), not {dtype}")
     tiles = tile_linears_available(device, dtype)
-    blocks = bf16_linears_available(device, dtype)
+    narrow = narrow_linears_available(device, dtype)
     onednn = can_prepack(device, dtype)
-    available = {"tiles": tiles, "bf16_blocks": blocks, "onednn": onednn, "plain": True}
-    if dtype == torch.float32 and weight_dtype == "bf16":
-        if choice not in (None, True, "bf16_blocks"):
+    available = {"tiles": tiles, "onednn": onednn, "plain": True}
+    available |= {layout: narrow for layout in NARROW_LAYOUTS.values()}
+    if dtype == torch.float32 and weight_dtype in NARROW_LAYOUTS:
+        forced = NARROW_LAYOUTS[weight_dtype]
+        if choice not in (None, True, forced):
             raise ValueError(
-                f"bf16 weights in an fp32 model are the bf16_blocks layout, not {choice!r}"
+                f"{weight_dtype} weights in an fp32 model are {forced}, not {choice!r}"
             )
-        choice = "bf16_blocks"
-    if choice == "bf16_blocks" and weight_dtype == "fp32":
-        raise ValueError("the bf16_blocks layout stores bf16 weights, not fp32 ones")
+        choice = forced
+    for stored, layout in NARROW_LAYOUTS.items():
+        if choice == layout and weight_dtype not in ("auto", stored):
+            raise ValueError(f"the {layout} layout stores {stored} weights, not {weight_dtype}")
     if choice is False:
         return "plain"
     if choice is None or choice is True:
         if tiles:
             return "tiles"
-        if blocks and weight_dtype == "auto" and exact_in_bf16():
+        if narrow and weight_dtype == "auto" and exact_in_bf16():
             return "bf16_blocks"
         if onednn:
             return "onednn"
@@ -160,14 +166,14 @@ def tile_linear_add(x: torch.Tensor, weight: TileWeight, residual: torch.Tensor)
     return _tile_linear(x, weight, None, residual)
 
 
-def bf16_blocks_linear(x: torch.Tensor, weight: Bf16Weight, bias: torch.Tensor | None = None):
-    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.bf16_linear.pack_bf16_weight``."""
-    return _bf16_linear(x, weight, bias)
+def narrow_linear(x: torch.Tensor, weight: NarrowWeight, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.narrow_linear``'s packers."""
+    return _narrow_linear(x, weight, bias)
 
 
-def bf16_blocks_linear_add(x: torch.Tensor, weight: Bf16Weight, residual: torch.Tensor):
-    """``residual + x @ weight^T`` in one call, a bf16-block weight."""
-    return _bf16_linear(x, weight, None, residual)
+def narrow_linear_add(x: torch.Tensor, weight: NarrowWeight, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a narrow-stored weight."""
+    return _narrow_linear(x, weight, None, residual)
 
 
 def _plain(weight: torch.Tensor) -> torch.Tensor:
@@ -178,7 +184,6 @@ LINEARS = {
     "plain": Linears("plain", _plain, linear, linear_add),
     "onednn": Linears("onednn", prepack, packed_linear, packed_linear_add),
     "tiles": Linears("tiles", pack_tile_weight, tile_linear, tile_linear_add),
-    "bf16_blocks": Linears(
-        "bf16_blocks", pack_bf16_weight, bf16_blocks_linear, bf16_blocks_linear_add
-    ),
+    "bf16_blocks": Linears("bf16_blocks", pack_bf16_weight, narrow_linear, narrow_linear_add),
+    "int8_blocks": Linears("int8_blocks", pack_int8_weight, narrow_linear, narrow_linear_add),
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 # kernels.linear.WEIGHT_DTYPES, named here too so settings are checked without torch
 # (tests/engine/test_model_linear.py holds them equal).
-WEIGHT_DTYPES = ("auto", "bf16", "fp32")
+WEIGHT_DTYPES = ("auto", "bf16", "int8", "fp32")
 
 ENV_PREFIX = "CHATSVC_"
 # The default pool: as many blocks as this many bytes hold in bf16, in every dtype, so
@@ -75,7 +75,7 @@ class EngineConfig:
     model: str = "smollm2"
     dtype: str | None = None  # "bf16" | "fp16" | "fp32"; None: bf16 where native, else fp32
     # What an fp32 model stores its matrices in (kernels.linear.WEIGHT_DTYPES): "auto" =
-    # bf16 where that loses nothing (a bf16 checkpoint), "bf16", "fp32".
+    # bf16 where that loses nothing (a bf16 checkpoint), "bf16", "int8", "fp32".
     weight_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16

@@ -51,7 +51,7 @@ class LlamaModel:
 
         prepack_weights: store the matrices in a layout made for the CPU's matrix code
         (``kernels.linear.WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.cpu.tile_linear``
-        (bf16 with AMX and the native kernels), ``"bf16_blocks"`` for ``kernels.cpu.bf16_linear``
+        (bf16 with AMX and the native kernels), ``"bf16_blocks"`` for ``kernels.cpu.narrow_linear``
         (an fp32 model reading bf16-stored weights, AVX2 and the native kernels: a default only
         where the weights are exact in bf16), ``"onednn"`` for torch's oneDNN linears; True
         or None = the first of those available here (None: plain where none is), False =

@@ -53,7 +53,7 @@ SOURCES = tuple(
         "write_kv.c",
         "layers.c",
         "tile_linear.c",
-        "bf16_linear.c",
+        "narrow_linear.c",
     )
 )
 # Included by the sources: in the key.
@@ -278,15 +278,23 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.chatsvc_linear_uses_tiles.restype = ctypes.c_int
     lib.chatsvc_linear_uses_tiles.argtypes = []
-    lib.chatsvc_bf16_linear_packed_elements.restype = i64
-    lib.chatsvc_bf16_linear_packed_elements.argtypes = [i64, i64]
-    lib.chatsvc_bf16_linear_pack.restype = None
-    lib.chatsvc_bf16_linear_pack.argtypes = [ptr, i64, i64, i64, ptr]  # as chatsvc_linear_pack
-    wide = lib.chatsvc_bf16_linear
-    wide.restype = ctypes.c_int
-    wide.argtypes = list(linear.argtypes)  # the same arguments, x/bias/residual/out fp32
-    lib.chatsvc_bf16_linear_available.restype = ctypes.c_int
-    lib.chatsvc_bf16_linear_available.argtypes = []
+    lib.chatsvc_narrow_linear_packed_elements.restype = i64
+    lib.chatsvc_narrow_linear_packed_elements.argtypes = [i64, i64]
+    for fmt in ("bf16", "int8"):
+        pack = getattr(lib, f"chatsvc_narrow_linear_pack_{fmt}")
+        pack.restype = None
+        pack.argtypes = [ptr, i64, i64, i64, ptr]  # w, row stride, n, k, packed
+    narrow = lib.chatsvc_narrow_linear
+    narrow.restype = ctypes.c_int
+    narrow.argtypes = [
+        ptr, i64, i64,  # x (fp32), row stride, rows
+        ptr, i32, ptr,  # packed weight, format, scale (int8; NULL for bf16)
+        i64, i64,  # out features, in features
+        ptr, ptr, i64,  # bias, residual, residual row stride (NULL: none)
+        ptr, i64, i32,  # out, row stride, num_threads
+    ]  # fmt: skip
+    lib.chatsvc_narrow_linear_available.restype = ctypes.c_int
+    lib.chatsvc_narrow_linear_available.argtypes = []
 
 
 def library() -> ctypes.CDLL | None:

@@ -141,12 +141,12 @@ def test_an_fp32_model_reads_its_bf16_checkpoint_in_bf16(
     a step reads) where the native kernels have AVX2; the logits are oneDNN's fp32 ones
     but for the order of the sums."""
     from chatsvc.engine.loader import load_model
-    from kernels.backend import bf16_linears_available
+    from kernels.backend import narrow_linears_available
 
     # The layout was chosen at load (the session's backend: native unless the environment
     # says torch); this test's backend runs the attention and element-wise kernels.
     if kernel_backend == "native":
-        expected = bf16_linears_available("cpu", torch.float32)
+        expected = narrow_linears_available("cpu", torch.float32)
         assert (smollm2_fp32.model.weight_layout == "bf16_blocks") == expected
     onednn = load_model("smollm2", dtype="fp32", max_positions=256, prepack_weights="onednn")
     tokens = _ids(smollm2_fp32, PROMPTS[1])

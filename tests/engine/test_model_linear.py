@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import ENV_VAR, bf16_linears_available, tile_linears_available
+from kernels.backend import ENV_VAR, narrow_linears_available, tile_linears_available
 from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout, exact_in_bf16
 
 CPU = torch.device("cpu")
@@ -20,7 +20,7 @@ def _available(dtype):
         if layout == "plain"
         or (layout == "onednn" and can_prepack(CPU, dtype))
         or (layout == "tiles" and tile_linears_available(CPU, dtype))
-        or (layout == "bf16_blocks" and bf16_linears_available(CPU, dtype))
+        or (layout == "bf16_blocks" and narrow_linears_available(CPU, dtype))
     ]
 
 
@@ -70,7 +70,7 @@ def test_an_fp32_model_reads_bf16_weights_only_where_that_changes_nothing(monkey
     exact = torch.randn(8, 8, generator=gen).bfloat16().float()
     inexact = exact + 1e-4
     assert exact_in_bf16([exact, exact.bfloat16()]) and not exact_in_bf16([exact, inexact])
-    if not bf16_linears_available(CPU, torch.float32):
+    if not narrow_linears_available(CPU, torch.float32):
         with pytest.raises(ValueError, match="'bf16_blocks' weight layout is not available"):
             choose_layout("bf16_blocks", CPU, torch.float32)
         return
@@ -97,17 +97,22 @@ def test_the_weight_dtype_setting_reaches_the_layout(monkeypatch):
         engine_config.EngineConfig.from_env({"CHATSVC_WEIGHT_DTYPE": "fp32"}).weight_dtype == "fp32"
     )
     monkeypatch.setenv(ENV_VAR, "native")
-    with pytest.raises(ValueError, match="fp32 weights need an fp32 model"):
+    with pytest.raises(ValueError, match="fp32 weights run in an fp32 model"):
         choose_layout(None, CPU, torch.bfloat16, "fp32")
     exact = lambda: True  # noqa: E731
     fallback = "onednn" if can_prepack(CPU, torch.float32) else "plain"
     assert choose_layout(None, CPU, torch.float32, "fp32", exact) == fallback
     with pytest.raises(ValueError, match="stores bf16 weights"):
         choose_layout("bf16_blocks", CPU, torch.float32, "fp32")
-    with pytest.raises(ValueError, match="are the bf16_blocks layout"):
+    with pytest.raises(ValueError, match="bf16 weights in an fp32 model are bf16_blocks"):
         choose_layout("onednn", CPU, torch.float32, "bf16")
-    if bf16_linears_available(CPU, torch.float32):
+    with pytest.raises(ValueError, match="int8 weights in an fp32 model are int8_blocks"):
+        choose_layout("bf16_blocks", CPU, torch.float32, "int8")
+    with pytest.raises(ValueError, match="int8 weights run in an fp32 model"):
+        choose_layout(None, CPU, torch.bfloat16, "int8")
+    if narrow_linears_available(CPU, torch.float32):
         assert choose_layout(None, CPU, torch.float32, "bf16") == "bf16_blocks"  # rounds
+        assert choose_layout(None, CPU, torch.float32, "int8") == "int8_blocks"
         assert choose_layout(None, CPU, torch.float32, "auto", exact) == "bf16_blocks"
     assert choose_layout(None, CPU, torch.bfloat16, "bf16") == choose_layout(
         None, CPU, torch.bfloat16

@@ -61,11 +61,14 @@ def test_cpu_attention_bench_baseline_is_a_second_build_that_agrees(tmp_path, mo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_bench_layouts_compute_the_same_step(dtype):
     from bench import linear
-    from kernels.cpu.bf16_linear import bf16_linear_available
+    from kernels.cpu.narrow_linear import narrow_linear_available
 
     fns = linear.layout_fns(rows=5, dtype=dtype)
     reference = fns.pop("plain")()
     assert ("onednn" in fns) == can_prepack(torch.device("cpu"), dtype)
-    assert ("bf16_blocks" in fns) == bf16_linear_available("cpu", dtype)
+    assert ("bf16_blocks" in fns) == ("int8_blocks" in fns) == narrow_linear_available("cpu", dtype)
+    int8 = fns.pop("int8_blocks", None)
     for fn in fns.values():
         assert_close(fn(), reference, dtype)
+    if int8 is not None:  # quantized: within a few steps of each row's 1/127 grid
+        torch.testing.assert_close(int8(), reference, atol=0.1, rtol=0.05)

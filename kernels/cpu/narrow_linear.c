@@ -1,0 +1,305 @@
+/* Linear layers of fp32 models whose weights are stored narrower (AVX2 + FMA):
+ *
+ *   out[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) (+ residual[M, N])     x, out fp32
+ *
+ * A decode step reads every weight once for a few rows of x, so it is bound by the
+ * weights' bytes. On CPUs without native bf16 the model computes in fp32; its weights
+ * stored in bf16 (the checkpoint's own dtype: nothing lost) halve what a step reads,
+ * in int8 with a scale per output row they quarter it. Two formats:
+ *
+ *   bf16  W itself. A bf16 value is the top half of an fp32 one, so interleaving
+ *         16-bit zeros below each weight (one unpack per 8) widens it exactly.
+ *   int8  q[N, K] and scale[N], W ~ scale[n] * q[n][k] (symmetric, per output row:
+ *         kernels/cpu/narrow_linear.py quantizes). The sum runs over q widened to fp32
+ *         (exact) and is multiplied by the row's scale once, at the end.
+ *
+ * Packed layout, both formats: 16-column blocks, K sequential inside a block, 16
+ * values per k:
+ *
+ *   packed[(nb * K + k) * 16 + p] = W[16 nb + COLUMN_OF[p]][k]      (0 past row N)
+ *
+ * For bf16 COLUMN_OF swaps the middle two groups of four, because unpacklo/unpackhi
+ * work per 128-bit lane: unpacklo then yields columns 0-7 and unpackhi 8-15. For int8
+ * it is the identity (the low 8 bytes widen to columns 0-7, the high 8 to 8-15).
+ *
+ * Every output is one fp32 sum over k in ascending order (one FMA per k), then
+ * (int8) one fused x scale + bias, (bf16) + bias, then + residual. Nothing in that order depends on M,
+ * on the row's place among the rows, or on the thread that computes it: a row's output
+ * is bit-identical whatever else is in the step. Arguments are checked by the Python
+ * wrapper (kernels/cpu/narrow_linear.py).
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <omp.h>
+#define CHATSVC_NARROW_LINEAR 1
+#endif
+
+enum { COLS = 16, ROWS = 6 };
+enum { FORMAT_BF16 = 0, FORMAT_INT8 = 1 }; /* kernels/cpu/narrow_linear.py: FORMATS */
+enum { FORMAT_WIDENED = 2 };                 /* internal: an int8 block widened to fp32 */
+
+/* int8 steps of more rows than this widen each block once into fp32 scratch (its writes
+ * and reads cost more than converting again up to about 16 rows: docs/kernels.md). */
+enum { WIDEN_ONCE_ROWS = 24 };
+
+/* Bytes of weights a thread keeps in its L2 while every row tile passes over them. */
+enum { CHUNK_BYTES = 256 * 1024 };
+
+static const int BF16_COLUMN_OF[COLS] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+/* Elements (of the format's width) of W [n, k] once packed. */
+int64_t chatsvc_narrow_linear_packed_elements(int64_t n, int64_t k) {
+    return (n + COLS - 1) / COLS * COLS * k;
+}
+
+/* Pack W [n, k] (bf16, rows `w_stride` elements apart) into `packed`. */
+void chatsvc_narrow_linear_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t n, int64_t k,
+                                     uint16_t *packed) {
+    const int64_t nbs = (n + COLS - 1) / COLS;
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int p = 0; p < COLS; p++) {
+                const int64_t row = nb * COLS + BF16_COLUMN_OF[p];
+                packed[(nb * k + kk) * COLS + p] = row < n ? w[row * w_stride + kk] : 0;
+            }
+}
+
+/* Pack q [n, k] (int8, rows `q_stride` apart) into `packed`. */
+void chatsvc_narrow_linear_pack_int8(const int8_t *q, int64_t q_stride, int64_t n, int64_t k,
+                                     int8_t *packed) {
+    const int64_t nbs = (n + COLS - 1) / COLS;
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int p = 0; p < COLS; p++) {
+                const int64_t row = nb * COLS + p;
+                packed[(nb * k + kk) * COLS + p] = row < n ? q[row * q_stride + kk] : 0;
+            }
+}
+
+#if defined(CHATSVC_NARROW_LINEAR)
+/* The 16 weights of step kk of a block, widened to fp32: columns 0-7 in lo, 8-15 in hi. */
+static inline __attribute__((always_inline)) void widen(const int format, const void *block,
+                                                        int64_t kk, __m256 *lo, __m256 *hi) {
+    if (format == FORMAT_BF16) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)((const uint16_t *)block + kk * COLS));
+        const __m256i zero = _mm256_setzero_si256();
+        *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));
+        *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));
+    } else if (format == FORMAT_INT8) {
+        /* Each half straight from memory into the sign extension (one load-op each). */
+        const int8_t *q = (const int8_t *)block + kk * COLS;
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+    } else { /* FORMAT_WIDENED: a block already widened to fp32 (widen_block) */
+        const float *w = (const float *)block + kk * COLS;
+        *lo = _mm256_loadu_ps(w);
+        *hi = _mm256_loadu_ps(w + 8);
+    }
+}
+
+/* An int8 block widened once to fp32 (the same values widen() gives), for a step with
+ * many rows: every row tile then reads floats instead of converting again. */
+static void widen_block(const int8_t *block, int64_t k, float *out) {
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m256 lo, hi;
+        widen(FORMAT_INT8, block, kk, &lo, &hi);
+        _mm256_storeu_ps(out + kk * COLS, lo);
+        _mm256_storeu_ps(out + kk * COLS + 8, hi);
+    }
+}
+
+/* Rows [0, rows) of x (rows <= ROWS) against one column block: out's columns
+ * [col0, col0 + 16), each sum times its column's `scale` where one is given (int8).
+ * `rows` and `format` are constants in each caller, so the loops over rows unroll and
+ * the accumulators stay in registers (12 of the 16). */
+static inline __attribute__((always_inline)) void row_tile(
+    const int rows, const int format, const float *x, int64_t x_stride, const void *block,
+    int64_t k, int64_t col0, int64_t n, const float *scale, const float *bias,
+    const float *residual, int64_t residual_stride, float *out, int64_t out_stride) {
+    /* Named accumulators, not an array: gcc spills an array to the stack every k. */
+#define ZERO(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
+#define FMA(r)                                                        \
+    if (rows > r) {                                                   \
+        const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + kk); \
+        a##r##0 = _mm256_fmadd_ps(xb, lo, a##r##0);                   \
+        a##r##1 = _mm256_fmadd_ps(xb, hi, a##r##1);                   \
+    }
+    ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m256 lo, hi;
+        widen(format, block, kk, &lo, &hi);
+        FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5)
+    }
+#undef ZERO
+#undef FMA
+    const __m256 acc[ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21},
+                                 {a30, a31}, {a40, a41}, {a50, a51}};
+    const int64_t live = n - col0 < COLS ? n - col0 : COLS;
+    if (live == COLS) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, b0 = s0, b1 = s0;
+        if (scale) s0 = _mm256_loadu_ps(scale + col0), s1 = _mm256_loadu_ps(scale + col0 + 8);
+        if (bias) b0 = _mm256_loadu_ps(bias + col0), b1 = _mm256_loadu_ps(bias + col0 + 8);
+        for (int r = 0; r < rows; r++) {
+            __m256 v0 = acc[r][0], v1 = acc[r][1];
+            /* One explicit fused step (+ 0 without a bias): left to itself, gcc contracts a
+             * multiply and an add in some of row_tile's copies and not in others, and the
+             * rows' results would then depend on the tile they fell in. */
+            if (scale)
+                v0 = _mm256_fmadd_ps(v0, s0, b0), v1 = _mm256_fmadd_ps(v1, s1, b1);
+            else if (bias)
+                v0 = _mm256_add_ps(v0, b0), v1 = _mm256_add_ps(v1, b1);
+            if (residual) {
+                const float *res = residual + r * residual_stride + col0;
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(res));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(res + 8));
+            }
+            _mm256_storeu_ps(out + r * out_stride + col0, v0);
+            _mm256_storeu_ps(out + r * out_stride + col0 + 8, v1);
+        }
+        return;
+    }
+    /* The last, partial block: the same operations, column by column. */
+    float sums[2 * 8] __attribute__((aligned(32)));
+    for (int r = 0; r < rows; r++) {
+        _mm256_store_ps(sums, acc[r][0]);
+        _mm256_store_ps(sums + 8, acc[r][1]);
+        for (int64_t c = 0; c < live; c++) {
+            float v = sums[c];
+            const float b = bias ? bias[col0 + c] : 0.0f;
+            if (scale)
+                v = __builtin_fmaf(v, scale[col0 + c], b);
+            else if (bias)
+                v += b;
+            if (residual) v += residual[r * residual_stride + col0 + c];
+            out[r * out_stride + col0 + c] = v;
+        }
+    }
+}
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, m;
+    const void *packed;
+    int format;
+    int64_t n, k;
+    const float *scale, *bias, *residual;
+    int64_t residual_stride;
+    float *out;
+    int64_t out_stride;
+} Problem;
+
+/* Rows [row0, row0 + rows) against column block nb, whose packed values are `block`
+ * in `format` (the problem's own, or FORMAT_WIDENED). */
+static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const void *block,
+                    int format) {
+    const float *x = p->x + row0 * p->x_stride;
+    const float *residual = p->residual ? p->residual + row0 * p->residual_stride : 0;
+    float *out = p->out + row0 * p->out_stride;
+    /* The scale is applied whenever the stored values are int8 ones, widened or not. */
+    const float *scale = p->format == FORMAT_INT8 ? p->scale : 0;
+#define ROW_TILE(R, F)                                                                     \
+    row_tile(R, F, x, p->x_stride, block, p->k, nb * COLS, p->n, scale, p->bias, residual, \
+             p->residual_stride, out, p->out_stride)
+#define FORMATS(R)                                  \
+    if (format == FORMAT_BF16) ROW_TILE(R, FORMAT_BF16); \
+    else if (format == FORMAT_INT8) ROW_TILE(R, FORMAT_INT8); \
+    else ROW_TILE(R, FORMAT_WIDENED);
+    switch (rows) {
+        case 1: FORMATS(1) break;
+        case 2: FORMATS(2) break;
+        case 3: FORMATS(3) break;
+        case 4: FORMATS(4) break;
+        case 5: FORMATS(5) break;
+        default: FORMATS(6) break;
+    }
+#undef FORMATS
+#undef ROW_TILE
+}
+
+static const void *block_at(const Problem *p, int64_t nb) {
+    const int64_t width = p->format == FORMAT_BF16 ? 2 : 1;
+    return (const char *)p->packed + nb * p->k * COLS * width;
+}
+
+/* Column blocks [first, last) of out, all m rows: a chunk of blocks at a time, every
+ * row tile over the chunk, so the chunk's weights come from memory once and from L2
+ * for the later row tiles. */
+static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *widened) {
+    if (widened) { /* int8 with several row tiles: widen each block once */
+        for (int64_t nb = first; nb < last; nb++) {
+            widen_block(block_at(p, nb), p->k, widened);
+            for (int64_t row0 = 0; row0 < p->m; row0 += ROWS) {
+                const int rows = p->m - row0 < ROWS ? (int)(p->m - row0) : ROWS;
+                rows_at(p, rows, row0, nb, widened, FORMAT_WIDENED);
+            }
+        }
+        return;
+    }
+    const int64_t width = p->format == FORMAT_BF16 ? 2 : 1;
+    int64_t chunk = CHUNK_BYTES / (p->k * COLS * width);
+    if (chunk < 1) chunk = 1;
+    for (int64_t start = first; start < last; start += chunk) {
+        const int64_t stop = start + chunk < last ? start + chunk : last;
+        for (int64_t row0 = 0; row0 < p->m; row0 += ROWS) {
+            const int rows = p->m - row0 < ROWS ? (int)(p->m - row0) : ROWS;
+            for (int64_t nb = start; nb < stop; nb++)
+                rows_at(p, rows, row0, nb, block_at(p, nb), p->format);
+        }
+    }
+}
+#endif
+
+/* out = x . W^T (+ bias) (+ residual): x, bias, residual and out fp32, W packed by
+ * the format's `chatsvc_narrow_linear_pack_*`; `scale` [n] for int8 (ignored for
+ * bf16). bias and residual may be NULL. Returns 0, or -1 where this build has no
+ * AVX2 + FMA or the format is unknown (nothing is written then), or scratch memory
+ * ran out (int8 with more than WIDEN_ONCE_ROWS rows; out is then incomplete). */
+int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const void *packed,
+                          int32_t format, const float *scale, int64_t n, int64_t k,
+                          const float *bias, const float *residual, int64_t residual_stride,
+                          float *out, int64_t out_stride, int32_t num_threads) {
+#if defined(CHATSVC_NARROW_LINEAR)
+    if (format != FORMAT_BF16 && format != FORMAT_INT8) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    const Problem p = {x, x_stride, m, packed, format, n, k, scale, bias, residual,
+                       residual_stride, out, out_stride};
+    const int64_t nbs = (n + COLS - 1) / COLS;
+    /* A second thread pays for its wake-up only with enough columns to share (as the
+     * tile linears: every matrix of the models served here has 36 or more blocks). */
+    const int threads = nbs >= 8 ? num_threads : 1;
+    const int widen_once = format == FORMAT_INT8 && m > WIDEN_ONCE_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        float *widened = 0;
+        if (widen_once) widened = aligned_alloc(32, (size_t)((k * COLS * 4 + 31) / 32 * 32));
+        if (widen_once && !widened)
+            failed = 1;
+        else
+            linear_blocks(&p, nbs * t / team, nbs * (t + 1) / team, widened);
+        free(widened);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)x_stride, (void)m, (void)packed, (void)format, (void)scale, (void)n, (void)k;
+    (void)bias, (void)residual, (void)residual_stride, (void)out, (void)out_stride;
+    (void)num_threads;
+    return -1;
+#endif
+}
+
+/* 1 where `chatsvc_narrow_linear` runs (a build for a CPU with AVX2 and FMA), else 0. */
+int chatsvc_narrow_linear_available(void) {
+#if defined(CHATSVC_NARROW_LINEAR)
+    return 1;
+#else
+    return 0;
+#endif
+}

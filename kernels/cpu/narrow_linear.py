@@ -1,0 +1,153 @@
+"""fp32 linears over weights stored narrower (AVX2), ``kernels/cpu/narrow_linear.c``.
+
+    out = x @ W^T (+ bias) (+ residual)      x [M, K] fp32, W [N, K] stored narrow, out fp32
+
+On a CPU without native bf16 the model computes in fp32, and a decode step is bound by
+reading the weights. Two storage formats:
+
+    bf16   the weights rounded to bf16 (a bf16 checkpoint's own values: nothing lost),
+           half the bytes of fp32
+    int8   ``quantize_int8``: symmetric int8 with one fp32 scale per output row,
+           a quarter of the bytes
+
+The kernel widens each stored value exactly and sums every output in one fixed order,
+so a row's output does not depend on the other rows of the step. The reference twin is
+``narrow_linear_reference``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import native
+
+FORMATS = {"bf16": 0, "int8": 1}  # narrow_linear.c: FORMAT_*
+INT8_LEVELS = 127  # symmetric: -127..127, so a row's largest magnitude is stored exactly
+
+
+class NarrowWeight(NamedTuple):
+    """A ``[N, K]`` weight packed in 16-column blocks; ``shape`` is the weight's own."""
+
+    packed: torch.Tensor  # flat bf16 or int8, chatsvc_narrow_linear_packed_elements(N, K)
+    scale: torch.Tensor | None  # [N] fp32 for int8, else None
+    shape: tuple[int, int]
+    format: str  # a key of FORMATS
+
+
+def narrow_linear_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``narrow_linear`` runs here: fp32 on a CPU whose native library has AVX2 + FMA."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    lib = native.library()
+    return lib is not None and bool(lib.chatsvc_narrow_linear_available())
+
+
+def _check_weight(weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or not weight.is_floating_point() or weight.device.type != "cpu":
+        raise ValueError(
+            f"weights to pack are 2-D floating CPU tensors, got {tuple(weight.shape)} "
+            f"{weight.dtype} on {weight.device}"
+        )
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> NarrowWeight:
+    """``weight [N, K]`` (a floating CPU tensor) rounded to bf16 and packed."""
+    _check_weight(weight)
+    narrow = weight.to(torch.bfloat16).contiguous()
+    lib = native.require()
+    n, k = narrow.shape
+    packed = torch.empty(lib.chatsvc_narrow_linear_packed_elements(n, k), dtype=torch.bfloat16)
+    lib.chatsvc_narrow_linear_pack_bf16(
+        narrow.data_ptr(), narrow.stride(0), n, k, packed.data_ptr()
+    )
+    return NarrowWeight(packed, None, (n, k), "bf16")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` as int8 ``q`` and fp32 ``scale [N]``, ``weight ~ scale[:, None] * q``:
+    each row's step is its largest magnitude / 127, values rounded to nearest (an all-zero
+    row gets scale 0)."""
+    w = weight.float()
+    peak = w.abs().amax(dim=1)
+    scale = peak / INT8_LEVELS
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def pack_int8_weight(weight: torch.Tensor) -> NarrowWeight:
+    """``weight [N, K]`` (a floating CPU tensor) quantized by ``quantize_int8`` and packed."""
+    _check_weight(weight)
+    q, scale = quantize_int8(weight)
+    lib = native.require()
+    n, k = q.shape
+    packed = torch.empty(lib.chatsvc_narrow_linear_packed_elements(n, k), dtype=torch.int8)
+    lib.chatsvc_narrow_linear_pack_int8(q.data_ptr(), q.stride(0), n, k, packed.data_ptr())
+    return NarrowWeight(packed, scale, (n, k), "int8")
+
+
+def _check(x: torch.Tensor, weight: NarrowWeight, bias, residual) -> None:
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [M, {k}] fp32 with unit stride along K, got {tuple(x.shape)} {x.dtype}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
+        raise ValueError(f"bias must be [{n}] fp32, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (
+        residual.shape != (x.shape[0], n) or residual.dtype != x.dtype or residual.stride(1) != 1
+    ):
+        got = f"{tuple(residual.shape)} {residual.dtype}"
+        raise ValueError(f"residual must be [{x.shape[0]}, {n}] fp32, got {got}")
+
+
+def narrow_linear(
+    x: torch.Tensor,
+    weight: NarrowWeight,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias) (+ residual)`` as a new ``[M, N]`` fp32 tensor."""
+    _check(x, weight, bias, residual)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    status = native.require().chatsvc_narrow_linear(
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        weight.packed.data_ptr(),
+        FORMATS[weight.format],
+        None if weight.scale is None else weight.scale.data_ptr(),
+        weight.shape[0],
+        weight.shape[1],
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError("the narrow-weight linear kernel needs a build with AVX2 and FMA")
+    return out
+
+
+def narrow_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    format: str = "bf16",
+) -> torch.Tensor:
+    """The twin: the same sum through torch, in fp32, with the plain weight stored as
+    ``format`` stores it."""
+    if format == "bf16":
+        out = F.linear(x, weight.to(torch.bfloat16).float(), bias)
+    else:
+        q, scale = quantize_int8(weight)
+        out = F.linear(x, q.float()) * scale
+        if bias is not None:
+            out = out + bias
+    return out if residual is None else out + residual

@@ -1,0 +1,198 @@
+"""kernels.cpu.narrow_linear (kernels/cpu/narrow_linear.c): fp32 linears over bf16- and
+int8-stored weights, against the float64 oracle and the torch twin; one fixed order per
+output, so a row's result does not depend on the rows beside it; its refusals."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from kernels.cpu.narrow_linear import (
+    narrow_linear,
+    narrow_linear_available,
+    narrow_linear_reference,
+    pack_bf16_weight,
+    pack_int8_weight,
+    quantize_int8,
+)
+
+AVAILABLE = narrow_linear_available("cpu", torch.float32)
+needs_kernel = pytest.mark.skipif(
+    not AVAILABLE and platform.machine() != "x86_64",
+    reason="the kernel is written for x86's AVX2; other CPUs keep oneDNN's linears",
+)
+PACK = {"bf16": pack_bf16_weight, "int8": pack_int8_weight}
+
+
+def _inputs(m, n, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16().float()
+    bias = torch.randn(n, generator=gen)
+    residual = torch.randn(m, n, generator=gen)
+    return x, w, bias, residual
+
+
+def _stored(w, format):
+    """The weight as the format stores it, in float64."""
+    if format == "bf16":
+        return w.bfloat16().double()
+    q, scale = quantize_int8(w)
+    return q.double() * scale.double()[:, None]
+
+
+def _oracle(x, w, bias, residual, format):
+    out = x.double() @ _stored(w, format).t()
+    if bias is not None:
+        out = out + bias.double()
+    if residual is not None:
+        out = out + residual.double()
+    return out
+
+
+def test_the_packed_layouts_are_the_documented_ones():
+    # Pure C, on every CPU: W[row][k] at ((row // 16) * K + k) * 16 + p, where p is the
+    # row's place in its block (bf16: the middle two groups of four swapped).
+    n, k = 20, 5  # two column blocks, the second padded
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k) - 50
+    swap = {c: c for c in range(16)} | {8 + i: 4 + i for i in range(4)}
+    swap |= {4 + i: 8 + i for i in range(4)}
+    bf16 = pack_bf16_weight(w)
+    int8 = pack_int8_weight(w)
+    q, scale = quantize_int8(w)
+    assert bf16.packed.numel() == int8.packed.numel() == 2 * 16 * k
+    assert torch.equal(int8.scale, scale) and bf16.scale is None
+    for row in range(n):
+        for col in range(k):
+            nb, c = divmod(row, 16)
+            assert bf16.packed[(nb * k + col) * 16 + swap[c]] == w[row, col]
+            assert int8.packed[(nb * k + col) * 16 + c] == q[row, col]
+    assert bool((bf16.packed.view(2, k, 16)[1][:, 8:] == 0).all())  # rows 20.. : zeros
+    assert bool((int8.packed.view(2, k, 16)[1][:, 4:] == 0).all())
+
+
+def test_int8_quantization_is_symmetric_per_row_and_keeps_each_rows_peak():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 300, generator=gen) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0.0  # an all-zero row: scale 0, zeros back
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and int(q.min()) >= -127
+    back = q.float() * scale[:, None]
+    # each row's largest magnitude is a level; every value is within half a step
+    assert torch.allclose(back.abs().amax(dim=1), w.abs().amax(dim=1), rtol=1e-6)
+    assert bool(((back - w).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all())
+    assert float(scale[5]) == 0.0 and bool((back[5] == 0).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("format", ["bf16", "int8"])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 24, 25, 40])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (20, 70), (16 * 9, 1)])
+def test_narrow_linear_matches_the_oracle_and_its_twin(format, m, n, k):
+    x, w, bias, residual = _inputs(m, n, k)
+    weight = PACK[format](w)
+    for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        got = narrow_linear(x, weight, b, r)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        expected = _oracle(x, w, b, r, format)
+        # fp32 sums of k products: error grows like sqrt(k) ulps of the terms
+        torch.testing.assert_close(got.double(), expected, atol=2e-5 * k**0.5, rtol=1e-5)
+        twin = narrow_linear_reference(x, w, b, r, format)
+        torch.testing.assert_close(got, twin, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_weights_widen_exactly():
+    # x = identity rows: each output is one stored weight times one (int8: times its
+    # scale), so any loss in the widening shows. fp32 weights round to nearest bf16.
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 40, generator=gen)
+    got = narrow_linear(torch.eye(40), pack_bf16_weight(w))
+    assert torch.equal(got, w.bfloat16().float().t())
+    q, scale = quantize_int8(w)
+    got = narrow_linear(torch.eye(40), pack_int8_weight(w))
+    assert torch.equal(got, (q.float() * scale[:, None]).t())
+
+
+@needs_kernel
+@pytest.mark.parametrize("format", ["bf16", "int8"])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(format):
+    """The property issue 26 needs of the linears: one summation order per output."""
+    x, w, bias, residual = _inputs(40, 200, 576, seed=4)  # int8 widens blocks once past 24
+    weight = PACK[format](w)
+    batch = narrow_linear(x, weight, bias, residual)
+    for i in (0, 5, 6, 17, 22, 39):
+        one_row = x[i : i + 1].contiguous()
+        alone = narrow_linear(one_row, weight, bias, residual[i : i + 1].contiguous())
+        assert torch.equal(alone[0], batch[i])
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(5))
+    shuffled = narrow_linear(x[order].contiguous(), weight, bias, residual[order].contiguous())
+    assert torch.equal(shuffled, batch[order])
+    for rows in (3, 8, 12, 30):  # other tile splits of the same rows
+        assert torch.equal(narrow_linear(x[:rows], weight, bias, residual[:rows]), batch[:rows])
+
+
+@needs_kernel
+def test_threads_do_not_change_the_sums():
+    x, w, _, residual = _inputs(9, 576, 576, seed=6)
+    before = torch.get_num_threads()
+    for weight in (pack_bf16_weight(w), pack_int8_weight(w)):
+        try:
+            torch.set_num_threads(1)
+            one = narrow_linear(x, weight, None, residual)
+            torch.set_num_threads(2)
+            two = narrow_linear(x, weight, None, residual)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_strided_rows_and_an_empty_batch():
+    x, w, _, residual = _inputs(12, 64, 96)
+    wide = torch.zeros(12, 200)
+    wide[:, 50:146] = x
+    res_wide = torch.zeros(12, 100)
+    res_wide[:, :64] = residual
+    for weight in (pack_bf16_weight(w), pack_int8_weight(w)):
+        got = narrow_linear(wide[:, 50:146], weight, None, res_wide[:, :64])
+        assert torch.equal(got, narrow_linear(x, weight, None, residual))
+        assert narrow_linear(x[:0], weight).shape == (0, 64)
+
+
+def test_bad_input_is_refused_before_any_work():
+    x, w, bias, residual = _inputs(4, 32, 64)
+    for pack in (pack_bf16_weight, pack_int8_weight):
+        with pytest.raises(ValueError, match="2-D floating"):
+            pack(w.to(torch.int32))
+    weight = pack_bf16_weight(w)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\] fp32"):
+        narrow_linear(x[:, :32], weight)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\] fp32"):
+        narrow_linear(x.bfloat16(), weight)
+    with pytest.raises(ValueError, match=r"bias must be \[32\]"):
+        narrow_linear(x, weight, bias[:31])
+    with pytest.raises(ValueError, match=r"residual must be \[4, 32\]"):
+        narrow_linear(x, weight, None, residual[:3])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx2 is an x86 flag")
+def test_a_build_without_avx2_refuses(tmp_path, monkeypatch):
+    """What an x86 CPU without AVX2 gets: the kernel says unavailable and returns -1,
+    writing nothing; packing (plain C) still works. An unknown format is refused too."""
+    from kernels.cpu import native
+
+    x, w, _, _ = _inputs(4, 32, 64)
+    weight = pack_bf16_weight(w)
+    out = torch.full((4, 32), 7.0)
+    args = (x.data_ptr(), 64, 4, weight.packed.data_ptr())
+    rest = (None, 32, 64, None, None, 0, out.data_ptr(), 32, 1)
+    if AVAILABLE:
+        assert native.require().chatsvc_narrow_linear(*args, 2, *rest) == -1
+    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
+    lib = native.load(native.build("gcc", [*native.default_flags(), "-mno-avx2"]))
+    assert lib.chatsvc_narrow_linear_available() == 0
+    assert lib.chatsvc_narrow_linear(*args, 0, *rest) == -1
+    assert bool((out == 7.0).all())
