@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", default="fp32,bf16,int8")
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=0, help="score at most this many (0: all)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=0, help="score at most this many (0: all)"
+    )
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     args = parser.parse_args(argv)
@@ -109,13 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         reference = reference or answers
         same = sum(answers[p] == reference[p] for p in answers)
         prefix = [
-            next((i for i, (a, b) in enumerate(zip(answers[p], reference[p])) if a != b), len(answers[p]))
+            next(
+                (i for i, (a, b) in enumerate(zip(answers[p], reference[p])) if a != b),
+                len(answers[p]),
+            )
             for p in answers
         ]
-        rows[name] = (loaded.model.weight_layout, len(ids), ppl, same, len(answers), sum(prefix) / len(prefix))
+        rows[name] = (
+            loaded.model.weight_layout,
+            len(ids),
+            ppl,
+            same,
+            len(answers),
+            sum(prefix) / len(prefix),
+        )
         del loaded
-    print(f"text {TEXT.name}, windows of {args.window}; answers {args.answer_tokens} tokens, vs {names[0]}")
-    print("| weights | layout | tokens | perplexity | vs first | identical answers | mean common prefix |")
+    print(
+        f"text {TEXT.name}, windows of {args.window}; answers {args.answer_tokens} tokens, vs {names[0]}"
+    )
+    print(
+        "| weights | layout | tokens | perplexity | vs first | identical answers | mean common prefix |"
+    )
     print("|---|---|---|---|---|---|---|")
     first = rows[names[0]][2]
     for name, (layout, n, ppl, same, total, prefix) in rows.items():
@@ -125,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "int8" in rows and "bf16" in rows:
         ratio = rows["int8"][2] / rows["bf16"][2]
-        print(f"int8 / bf16 perplexity {ratio:.4f}: gate (within 1 %) {'holds' if ratio <= 1.01 else 'fails'}")
+        print(
+            f"int8 / bf16 perplexity {ratio:.4f}: gate (within 1 %) {'holds' if ratio <= 1.01 else 'fails'}"
+        )
     return 0
 
 

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.components import missing_component
 
 from bench.weight_quality import PROMPTS, TEXT, greedy, perplexity
 from chatsvc.engine.loader import load_model
 from kernels.backend import narrow_linears_available
 
-pytestmark = pytest.mark.skipif(
-    not narrow_linears_available("cpu", torch.float32),
-    reason="int8 weights run on the native AVX2 kernels (x86); elsewhere they are refused",
-)
-
 
 @pytest.fixture(scope="module")
 def int8_model():
+    if not narrow_linears_available("cpu", torch.float32):
+        missing_component("int8 weights run on the native kernels' AVX2 path (x86, gcc)")
     return load_model("smollm2", dtype="fp32", weight_dtype="int8")
 
 
