@@ -112,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(answers[p] == reference[p] for p in answers)
         prefix = [
             next(
-                (i for i, (a, b) in enumerate(zip(answers[p], reference[p], strict=True)) if a != b),
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(answers[p], reference[p], strict=True))
+                    if a != b
+                ),
                 len(answers[p]),
             )
             for p in answers
