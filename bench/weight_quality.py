@@ -130,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             sum(prefix) / len(prefix),
         )
         del loaded
-    print(
-        f"text {TEXT.name}, windows of {args.window}; answers {args.answer_tokens} tokens, vs {names[0]}"
-    )
+    answers_of = f"answers {args.answer_tokens} tokens"
+    print(f"text {TEXT.name}, windows of {args.window}; {answers_of}, vs {names[0]}")
     print(
         "| weights | layout | tokens | perplexity | vs first | identical answers | mean common prefix |"
     )
