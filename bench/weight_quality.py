@@ -132,9 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         del loaded
     answers_of = f"answers {args.answer_tokens} tokens"
     print(f"text {TEXT.name}, windows of {args.window}; {answers_of}, vs {names[0]}")
-    print(
-        "| weights | layout | tokens | perplexity | vs first | identical answers | mean common prefix |"
+    header = (
+        "weights",
+        "layout",
+        "tokens",
+        "perplexity",
+        "vs first",
+        "same answers",
+        "common prefix",
     )
+    print("| " + " | ".join(header) + " |")
     print("|---|---|---|---|---|---|---|")
     first = rows[names[0]][2]
     for name, (layout, n, ppl, same, total, prefix) in rows.items():
@@ -144,9 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "int8" in rows and "bf16" in rows:
         ratio = rows["int8"][2] / rows["bf16"][2]
-        print(
-            f"int8 / bf16 perplexity {ratio:.4f}: gate (within 1 %) {'holds' if ratio <= 1.01 else 'fails'}"
-        )
+        verdict = "holds" if ratio <= 1.01 else "fails"
+        print(f"int8 / bf16 perplexity {ratio:.4f}: gate (within 1 %) {verdict}")
     return 0
 
 
