@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.components import missing_component
 
 from bench.weight_quality import PROMPTS, TEXT, greedy, perplexity
 from chatsvc.engine.loader import load_model
 from kernels.backend import narrow_linears_available
+from tests.components import missing_component
 
 
 @pytest.fixture(scope="module")
