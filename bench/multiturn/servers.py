@@ -5,9 +5,14 @@
 - ``ours-nocache``  the same with ``CHATSVC_ENABLE_PREFIX_CACHE=0``
 - ``hf``            ``transformers serve <model dir>``
 - ``hf-cb``         ``transformers serve <model dir> --continuous-batching``
+- ``llama``         llama.cpp's ``llama-server`` (``$LLAMA_SERVER``, else on ``PATH``; it
+                    is not installed by the project: ``bench/llama_server.sh`` builds one)
+                    on the GGUF the default model is converted from (SmolLM2-135M-Instruct,
+                    Q4_1), 8 slots, its prompt cache on
 
-Both peers read the same local safetensors directory as ours, offline. A server pinned to
-a model (``transformers serve <dir>``) accepts requests that name that directory, or none.
+The transformers peers read the same local safetensors directory as ours, offline. A
+server pinned to a model (``transformers serve <dir>``) accepts requests that name that
+directory, or none.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import httpx
 
 from bench.live_server import free_port
 
-SYSTEMS = ("ours", "ours-nocache", "hf", "hf-cb")
+SYSTEMS = ("ours", "ours-nocache", "hf", "hf-cb", "llama")
+LLAMA_SLOTS = 8  # parallel sequences of llama-server: the benchmark's default concurrency
 
 
 class ServerStartError(RuntimeError):
@@ -86,6 +92,15 @@ def build_spec(
         if system == "hf-cb":
             argv.append("--continuous-batching")
         return ServerSpec(system, tuple(argv), env, ready_path="/health", model=str(model_dir))
+    if system == "llama":
+        from chatsvc.engine.weights_gguf import default_gguf_path
+
+        binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server") or "llama-server"
+        argv = [binary, "-m", str(default_gguf_path()), *host, "-np", str(LLAMA_SLOTS)]
+        argv += ["-c", str(LLAMA_SLOTS * 2048), "--jinja"]
+        if threads is not None:
+            argv += ["-t", str(threads)]
+        return ServerSpec(system, tuple(argv), env, ready_path="/health")
     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 

@@ -33,6 +33,18 @@ def test_specs_of_every_system(tmp_path):
         assert "127.0.0.1" in spec.argv
 
 
+def test_the_llama_cpp_spec_serves_the_shipped_gguf(tmp_path, monkeypatch):
+    from chatsvc.engine.weights_gguf import default_gguf_path
+
+    monkeypatch.setenv("LLAMA_SERVER", "/opt/llama/llama-server")
+    llama = build_spec("llama", tmp_path / "m", 1234, tmp_path / "d", threads=2)
+    assert llama.argv[0] == "/opt/llama/llama-server"
+    assert llama.argv[llama.argv.index("-m") + 1] == str(default_gguf_path())
+    assert llama.argv[llama.argv.index("-np") + 1] == "8"
+    assert llama.argv[llama.argv.index("-t") + 1] == "2" and "1234" in llama.argv
+    assert llama.ready_path == "/health" and llama.admin_cache_path is None
+
+
 def test_unknown_system_raises(tmp_path):
     with pytest.raises(ValueError, match="unknown system"):
         build_spec("vllm", tmp_path, 1, tmp_path)
