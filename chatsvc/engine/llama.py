@@ -51,15 +51,16 @@ class LlamaModel:
 
         prepack_weights: store the matrices in a layout made for the CPU's matrix code
         (``kernels.linear.WEIGHT_LAYOUTS``): ``"tiles"`` for ``kernels.cpu.tile_linear``
-        (bf16 with AMX and the native kernels), ``"bf16_blocks"`` for ``kernels.cpu.narrow_linear``
-        (an fp32 model reading bf16-stored weights, AVX2 and the native kernels: a default only
-        where the weights are exact in bf16), ``"onednn"`` for torch's oneDNN linears; True
-        or None = the first of those available here (None: plain where none is), False =
-        plain. The plain matrices in ``weights.layers`` are replaced by the packed ones, which
-        still report their ``[out, in]`` shape.
+        (bf16 with AMX and the native kernels); ``"bf16_blocks"`` and ``"int8_blocks"`` for
+        ``kernels.cpu.narrow_linear`` (an fp32 model reading bf16- or int8-stored weights,
+        AVX2 and the native kernels; bf16 is a default only where the weights are exact in
+        bf16); ``"onednn"`` for torch's oneDNN linears. True or None = the first of those
+        available here (None: plain where none is), False = plain. The plain matrices in
+        ``weights.layers`` are replaced by the packed ones, which still report their
+        ``[out, in]`` shape.
 
         weight_dtype: what an fp32 model stores its matrices in (``kernels.linear.choose_layout``:
-        None = bf16 where that loses nothing, "bf16", "fp32").
+        None = bf16 where that loses nothing, "bf16", "int8", "fp32").
         """
         if len(weights.layers) != config.num_layers:
             raise ValueError(

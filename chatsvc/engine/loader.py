@@ -89,7 +89,7 @@ def load_model(
     data_dir: the data directory whose ``models/`` holds the converted default model
     (None: ``~/.cache/chatsvc``).
     weight_dtype: what an fp32 model stores its matrices in (None: bf16 where that loses
-    nothing; "bf16"; "fp32"); see ``kernels.linear.choose_layout``.
+    nothing; "bf16"; "int8"; "fp32"); see ``kernels.linear.choose_layout``.
     """
     resolved = resolve_dtype(dtype, device)
     if spec == DEFAULT_SPEC:
