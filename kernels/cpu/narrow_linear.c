@@ -242,7 +242,7 @@ static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *
         return;
     }
     const int64_t width = p->format == FORMAT_BF16 ? 2 : 1;
-    int64_t chunk = CHUNK_BYTES / (p->k * COLS * width);
+    int64_t chunk = p->k > 0 ? CHUNK_BYTES / (p->k * COLS * width) : last - first;
     if (chunk < 1) chunk = 1;
     for (int64_t start = first; start < last; start += chunk) {
         const int64_t stop = start + chunk < last ? start + chunk : last;
@@ -273,7 +273,7 @@ int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const voi
     /* A second thread pays for its wake-up only with enough columns to share (as the
      * tile linears: every matrix of the models served here has 36 or more blocks). */
     const int threads = nbs >= 8 ? num_threads : 1;
-    const int widen_once = format == FORMAT_INT8 && m > WIDEN_ONCE_ROWS;
+    const int widen_once = format == FORMAT_INT8 && m > WIDEN_ONCE_ROWS && k > 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {

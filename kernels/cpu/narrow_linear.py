@@ -71,7 +71,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     each row's step is its largest magnitude / 127, values rounded to nearest (an all-zero
     row gets scale 0)."""
     w = weight.float()
-    peak = w.abs().amax(dim=1)
+    peak = w.abs().amax(dim=1) if w.shape[1] else w.new_zeros(w.shape[0])
     scale = peak / INT8_LEVELS
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / safe[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)

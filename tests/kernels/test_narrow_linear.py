@@ -160,6 +160,16 @@ def test_strided_rows_and_an_empty_batch():
         got = narrow_linear(wide[:, 50:146], weight, None, res_wide[:, :64])
         assert torch.equal(got, narrow_linear(x, weight, None, residual))
         assert narrow_linear(x[:0], weight).shape == (0, 64)
+    # No inputs at all (K = 0): the sums are empty, bias and residual remain.
+    bias = torch.randn(64)
+    for pack in (pack_bf16_weight, pack_int8_weight):
+        got = narrow_linear(
+            torch.zeros(30, 0),
+            pack(torch.zeros(64, 0)),
+            bias,
+            residual[:1].expand(30, 64).contiguous(),
+        )
+        assert torch.equal(got, (bias + residual[:1]).expand(30, 64))
 
 
 def test_bad_input_is_refused_before_any_work():
