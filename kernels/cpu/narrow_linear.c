@@ -229,7 +229,8 @@ static const void *block_at(const Problem *p, int64_t nb) {
 
 /* Column blocks [first, last) of out, all m rows: a chunk of blocks at a time, every
  * row tile over the chunk, so the chunk's weights come from memory once and from L2
- * for the later row tiles. */
+ * for the later row tiles; or, given `widened` scratch (int8, many rows), one block at
+ * a time, widened once and then read by every row tile. */
 static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *widened) {
     if (widened) { /* int8 with several row tiles: widen each block once */
         for (int64_t nb = first; nb < last; nb++) {

@@ -130,7 +130,10 @@ def narrow_linear(
         torch.get_num_threads(),
     )
     if status != 0:
-        raise RuntimeError("the narrow-weight linear kernel needs a build with AVX2 and FMA")
+        raise RuntimeError(
+            "the narrow-weight linear kernel did not run: a build without AVX2 and FMA, "
+            "or no memory for its scratch"
+        )
     return out
 
 
