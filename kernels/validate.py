@@ -122,3 +122,27 @@ def check_block_tables(
         f"block_tables[{b}, {i}] = {int(ids[b, i])} is not a block of the pool "
         f"(num_blocks = {num_blocks})"
     )
+
+
+def check_linear_inputs(
+    x: torch.Tensor,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
+    """The native linears' inputs against a ``[N, K]`` weight: ``x [M, K]``, ``bias [N]``,
+    ``residual [M, N]``, all ``dtype`` with unit stride along their last axis."""
+    n, k = shape
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != dtype or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [M, {k}] {name} with unit stride along K, got {tuple(x.shape)} {x.dtype}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype or bias.stride(0) != 1):
+        raise ValueError(f"bias must be [{n}] {name}, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (
+        residual.shape != (x.shape[0], n) or residual.dtype != dtype or residual.stride(1) != 1
+    ):
+        got = f"{tuple(residual.shape)} {residual.dtype}"
+        raise ValueError(f"residual must be [{x.shape[0]}, {n}] {name}, got {got}")

@@ -31,6 +31,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -58,28 +59,35 @@ int64_t chatsvc_narrow_linear_packed_elements(int64_t n, int64_t k) {
     return (n + COLS - 1) / COLS * COLS * k;
 }
 
-/* Pack W [n, k] (bf16, rows `w_stride` elements apart) into `packed`. */
-void chatsvc_narrow_linear_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t n, int64_t k,
-                                     uint16_t *packed) {
+static const int INT8_COLUMN_OF[COLS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* The packed layout above for elements of `width` bytes, block place p taking row
+ * 16 nb + column_of[p]. */
+static void pack_blocks(const char *w, int64_t w_stride, int64_t n, int64_t k, int width,
+                        const int *column_of, char *packed) {
     const int64_t nbs = (n + COLS - 1) / COLS;
     for (int64_t nb = 0; nb < nbs; nb++)
         for (int64_t kk = 0; kk < k; kk++)
             for (int p = 0; p < COLS; p++) {
-                const int64_t row = nb * COLS + BF16_COLUMN_OF[p];
-                packed[(nb * k + kk) * COLS + p] = row < n ? w[row * w_stride + kk] : 0;
+                const int64_t row = nb * COLS + column_of[p];
+                char *dst = packed + ((nb * k + kk) * COLS + p) * width;
+                if (row < n)
+                    memcpy(dst, w + (row * w_stride + kk) * width, (size_t)width);
+                else
+                    memset(dst, 0, (size_t)width);
             }
+}
+
+/* Pack W [n, k] (bf16, rows `w_stride` elements apart) into `packed`. */
+void chatsvc_narrow_linear_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t n, int64_t k,
+                                     uint16_t *packed) {
+    pack_blocks((const char *)w, w_stride, n, k, 2, BF16_COLUMN_OF, (char *)packed);
 }
 
 /* Pack q [n, k] (int8, rows `q_stride` apart) into `packed`. */
 void chatsvc_narrow_linear_pack_int8(const int8_t *q, int64_t q_stride, int64_t n, int64_t k,
                                      int8_t *packed) {
-    const int64_t nbs = (n + COLS - 1) / COLS;
-    for (int64_t nb = 0; nb < nbs; nb++)
-        for (int64_t kk = 0; kk < k; kk++)
-            for (int p = 0; p < COLS; p++) {
-                const int64_t row = nb * COLS + p;
-                packed[(nb * k + kk) * COLS + p] = row < n ? q[row * q_stride + kk] : 0;
-            }
+    pack_blocks((const char *)q, q_stride, n, k, 1, INT8_COLUMN_OF, (char *)packed);
 }
 
 #if defined(CHATSVC_NARROW_LINEAR)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import native
+from kernels.validate import check_linear_inputs
 
 FORMATS = {"bf16": 0, "int8": 1}  # narrow_linear.c: FORMAT_*
 INT8_LEVELS = 127  # symmetric: -127..127, so a row's largest magnitude is stored exactly
@@ -89,21 +90,6 @@ def pack_int8_weight(weight: torch.Tensor) -> NarrowWeight:
     return NarrowWeight(packed, scale, (n, k), "int8")
 
 
-def _check(x: torch.Tensor, weight: NarrowWeight, bias, residual) -> None:
-    n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.stride(1) != 1:
-        raise ValueError(
-            f"x must be [M, {k}] fp32 with unit stride along K, got {tuple(x.shape)} {x.dtype}"
-        )
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(f"bias must be [{n}] fp32, got {tuple(bias.shape)} {bias.dtype}")
-    if residual is not None and (
-        residual.shape != (x.shape[0], n) or residual.dtype != x.dtype or residual.stride(1) != 1
-    ):
-        got = f"{tuple(residual.shape)} {residual.dtype}"
-        raise ValueError(f"residual must be [{x.shape[0]}, {n}] fp32, got {got}")
-
-
 def narrow_linear(
     x: torch.Tensor,
     weight: NarrowWeight,
@@ -111,7 +97,7 @@ def narrow_linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias) (+ residual)`` as a new ``[M, N]`` fp32 tensor."""
-    _check(x, weight, bias, residual)
+    check_linear_inputs(x, weight.shape, torch.float32, bias, residual)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     status = native.require().chatsvc_narrow_linear(
         x.data_ptr(),

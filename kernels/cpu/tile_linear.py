@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import native
+from kernels.validate import check_linear_inputs
 
 
 class TileWeight(NamedTuple):
@@ -50,21 +51,6 @@ def pack_tile_weight(weight: torch.Tensor) -> TileWeight:
     return TileWeight(packed, (n, k))
 
 
-def _check(x: torch.Tensor, weight: TileWeight, bias, residual) -> None:
-    n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(
-            f"x must be [M, {k}] bf16 with unit stride along K, got {tuple(x.shape)} {x.dtype}"
-        )
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(f"bias must be [{n}] bf16, got {tuple(bias.shape)} {bias.dtype}")
-    if residual is not None and (
-        residual.shape != (x.shape[0], n) or residual.dtype != x.dtype or residual.stride(1) != 1
-    ):
-        got = f"{tuple(residual.shape)} {residual.dtype}"
-        raise ValueError(f"residual must be [{x.shape[0]}, {n}] bf16, got {got}")
-
-
 def tile_linear(
     x: torch.Tensor,
     weight: TileWeight,
@@ -72,7 +58,7 @@ def tile_linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias) (+ residual)`` as a new ``[M, N]`` bf16 tensor."""
-    _check(x, weight, bias, residual)
+    check_linear_inputs(x, weight.shape, torch.bfloat16, bias, residual)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     status = native.require().chatsvc_linear(
         x.data_ptr(),
