@@ -141,11 +141,15 @@ async def main_async(args) -> None:
             tag = f"a{int(paced)}r{r}-"
             runs["a", paced, r] = await last_turn(engine, convs, turn, args, tag, paced, r)
     await engine.stop()
+    # A stopped engine keeps its pool and weights (2-3 GiB in fp32) until it is
+    # dropped: without the dels, three engines lived at once (11 GiB, OOM-killed in CI).
+    del engine
 
     for paced in arrivals:  # a new engine each time: a recompute must not find the last one
         cold = await started(engine_config(args, kv_disk_bytes=0))
         runs["b", paced, 0] = await last_turn(cold, convs, turn, args, f"b{int(paced)}-", paced)
         await cold.stop()
+        del cold
 
     restart_s, warm_up_s, disk_stats = {}, {}, {}
     for r in repeats:
@@ -158,6 +162,7 @@ async def main_async(args) -> None:
                 restart_s[paced], warm_up_s[paced] = started_s, warm_up
                 disk_stats[paced] = warm.cache_stats()["disk"]
             await warm.stop()
+            del warm
     if not args.kv_dir:
         shutil.rmtree(root, ignore_errors=True)
 
