@@ -1,7 +1,7 @@
 """Decode-step and prefill time of our forward pass vs transformers' own, same model and input.
 
     .venv/bin/python -m bench.model_step [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
-        [--compare-backends]
+        [--compare-backends] [--weight-dtypes fp32,bf16,int8]
 
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
@@ -11,6 +11,12 @@ is the model's default layout), and of LlamaForCausalLM with its DynamicCache.
 Then one prefill of --prefill tokens. The variants run interleaved, sample by
 sample, so a shared machine's changing load hits them alike; medians are printed.
 Figures, not assertions.
+
+``--weight-dtypes`` (an fp32 model) times one model per weight dtype instead, each in
+the layout ``CHATSVC_WEIGHT_DTYPE`` would give it (fp32: oneDNN, bf16 and int8: the
+narrow blocks), and prints what a decode step reads (the matrices in their layout and
+the context's KV) against the machine's read bandwidth, measured in the same rounds
+(a sum over 512 MiB, interleaved with the steps): that time is the step's floor.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import torch
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.loader import LoadedModel, load_model
 from kernels.backend import ENV_VAR
+from kernels.cpu.narrow_linear import NarrowWeight
+from kernels.cpu.tile_linear import TileWeight
 from kernels.kv_layout import new_kv_pool
 from kernels.linear import can_prepack
 
@@ -114,6 +122,40 @@ def ours_prefill(loaded: LoadedModel, length: int) -> Callable[[], object]:
     return lambda: model.forward(batch, pool)
 
 
+def matrix_bytes(weight) -> int:
+    """Bytes of one matrix as a step reads it: its layout's storage, scales included."""
+    if isinstance(weight, NarrowWeight):
+        scale = weight.scale.nbytes if weight.scale is not None else 0
+        return weight.packed.nbytes + scale
+    if isinstance(weight, TileWeight):
+        return weight.packed.nbytes
+    n, k = weight.shape
+    return n * k * weight.element_size()
+
+
+def decode_bytes(loaded: LoadedModel, batch: int, context: int) -> int:
+    """What one decode step must read from memory: every matrix once (the lm head
+    included) and each sequence's K and V over its context (norms and the B embedding
+    rows are a rounding error)."""
+    model = loaded.model
+    matrices = [model._lm_head]
+    for layer in model.weights.layers:
+        matrices += [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight]
+    c = model.config
+    kv = batch * (context + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim
+    return sum(matrix_bytes(m) for m in matrices) + kv * model.dtype.itemsize
+
+
+BANDWIDTH_BYTES = 512 * 2**20
+
+
+def read_memory() -> Callable[[], object]:
+    """One pass over a buffer far larger than any cache: its time gives the read
+    bandwidth under the same load as the steps it is interleaved with."""
+    buffer = torch.ones(BANDWIDTH_BYTES // 4)
+    return lambda: buffer.sum()
+
+
 def hf_decode(hf, batch: int, context: int) -> Callable[[], object]:
     from transformers import DynamicCache
 
@@ -167,9 +209,18 @@ def main() -> None:
         help="also time the prepacked decode and prefill on the torch kernel path "
         "(CHATSVC_KERNEL_BACKEND=torch) beside the default (native on CPU)",
     )
+    parser.add_argument(
+        "--weight-dtypes",
+        default="",
+        help="comma-separated weight dtypes of an fp32 model (fp32,bf16,int8): one model "
+        "each, with the bytes a decode step reads and the bandwidth floor",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.weight_dtypes:
+        weight_dtypes_main(args)
+        return
 
     plain = load_model("smollm2", dtype=args.dtype, prepack_weights=False)
     packed = load_model("smollm2", dtype=args.dtype, prepack_weights=True)
@@ -220,6 +271,38 @@ def main() -> None:
             f"{name} {t:6.1f} ms ({args.prefill / t * 1e3:5.0f} tok/s)" for name, t in ms.items()
         )
         print(line, flush=True)
+
+
+def weight_dtypes_main(args) -> None:
+    """One model per weight dtype, decode steps beside the memory read that bounds them."""
+    models = {}
+    for weight_dtype in args.weight_dtypes.split(","):
+        loaded = load_model("smollm2", dtype=args.dtype, weight_dtype=weight_dtype)
+        models[f"{weight_dtype} ({loaded.model.weight_layout})"] = loaded
+    first = next(iter(models.values()))
+    print(
+        f"model {first.name}, dtype {first.model.dtype}, threads {torch.get_num_threads()}; "
+        f"read bandwidth: a sum over {BANDWIDTH_BYTES >> 20} MiB, interleaved with the steps"
+    )
+    for batch in (int(b) for b in args.batches.split(",")):
+        fns = {name: ours_decode(loaded, batch, args.context) for name, loaded in models.items()}
+        fns["memory read"] = read_memory()
+        ms = interleaved_medians(fns, args.steps)
+        bandwidth = BANDWIDTH_BYTES / ms.pop("memory read") * 1e3  # bytes/s
+        print(f"decode B={batch} ctx={args.context}, read bandwidth {bandwidth / 1e9:.1f} GB/s:")
+        for name, t in ms.items():
+            nbytes = decode_bytes(models[name], batch, args.context)
+            floor = nbytes / bandwidth * 1e3
+            print(
+                f"  {name:<22} {t:6.1f} ms ({batch / t * 1e3:6.1f} tok/s)  reads "
+                f"{nbytes / 1e6:5.0f} MB = {nbytes / t / 1e6:4.1f} GB/s; "
+                f"floor {floor:5.1f} ms, step/floor {t / floor:.2f}x"
+            )
+    if args.prefill:
+        fns = {name: ours_prefill(loaded, args.prefill) for name, loaded in models.items()}
+        ms = interleaved_medians(fns, max(3, args.steps // 6))
+        rates = (f"{n} {t:6.1f} ms ({args.prefill / t * 1e3:5.0f} tok/s)" for n, t in ms.items())
+        print(f"prefill {args.prefill} tokens: " + " | ".join(rates))
 
 
 if __name__ == "__main__":
