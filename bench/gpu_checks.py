@@ -12,10 +12,14 @@
                 greedy tokens equal a pool that holds everything
 4. disk tier    a restart on the device: the next turn comes from disk files
                 (through the pinned staging buffer) with the same greedy tokens
+5. invariance   a token's bits independent of its step (``bench.gpu_invariance``:
+                span attention, matmul and RMSNorm rows, the model's logits and K/V
+                over chunkings and batch companions), fp32 and bf16, as a table
 
 Each check prints one line, PASS or FAIL with the reason; the exit status is
 the number of failures. ``--device cpu`` runs 2-4 on the CPU (1 needs CUDA),
-which is how the suite keeps this script working without a GPU.
+which is how the suite keeps this script working without a GPU (5 then checks the
+torch backend's spans and the fp32 model).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import traceback
 
 import torch
 
+from bench.gpu_invariance import check_invariance
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
@@ -38,7 +43,7 @@ from kernels.kv_layout import KVShape, layer_views, new_kv_pool
 
 NS = Namespace(tenant_salt=b"gpu-check", label="gpu")
 QUESTIONS = ["What is the capital of France?", "Name two rivers there.", "Which is longer?"]
-CHECKS = ("kernels", "conversation", "host_swaps", "disk_tier")
+CHECKS = ("kernels", "conversation", "host_swaps", "disk_tier", "invariance")
 
 
 # -- 1. kernels ----------------------------------------------------------------------
@@ -255,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "conversation": lambda: check_conversation(models, args),
         "host_swaps": lambda: check_host_swaps(models, args),
         "disk_tier": lambda: check_disk_tier(models, args),
+        "invariance": lambda: check_invariance(args.device, models.on(args.device)),
     }
     failures = 0
     for name in CHECKS:

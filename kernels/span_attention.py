@@ -18,11 +18,13 @@ with several spans merges them in span order:
 
     M = max_j lse_j;  w_j = exp(lse_j - M);  out = (sum_j w_j out_j) / (sum_j w_j)
 
-each sum built one span after another by element-wise adds. All arithmetic is fp32 (bf16
-inputs widened, the output rounded once). The bits of a token's output then do not
-depend on which tasks share a call, on the thread count, or on where a task sits in its
-call: measured (tests/kernels/test_span_attention.py), not promised by torch, which is
-why the shapes stay fixed rather than merely similar. Cost: docs/kernels.md, "Invariance".
+each sum a running sum along the spans, span 0 first, read at the token's own last span.
+All arithmetic is fp32 (bf16 inputs widened, the output rounded once; bf16's own flash
+path was faster for decodes and slower for prefill chunks, docs/kernels.md). The bits of
+a token's output then do not depend on which tasks share a call, on the thread count,
+or on where a task sits in its call: measured (tests/kernels/test_span_attention.py),
+not promised by torch, which is why the shapes stay fixed rather than merely similar.
+Cost: docs/kernels.md, "Invariance".
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def attend_spans(
     if not metadata.calls:
         return out
     group = num_q_heads // num_kv_heads
-    # fp32 rows per token, and a zero token (row T) for the empty slots.
+    # A fresh fp32 copy of the rows (every task's rows aligned alike) and a zero token
+    # (row T) for the empty slots.
     q = torch.zeros(num_tokens + 1, num_kv_heads, group, head_dim, dtype=torch.float32)
     q[:num_tokens] = query.view(num_tokens, num_kv_heads, group, head_dim)
     keys = _span_keys(k_cache, metadata)  # [groups, H_kv, S, D]
@@ -83,10 +86,10 @@ def attend_spans(
     for call in metadata.calls:
         tasks = call.slots.shape[0]
         # [tasks, slots, H_kv, G, D] -> [tasks, H_kv, rows, D], zero rows past the slots'.
-        task_q = q.new_zeros(tasks, num_kv_heads, rows, head_dim)
         picked = q.index_select(0, call.slots.view(-1)).view(
             tasks, -1, num_kv_heads, group, head_dim
         )
+        task_q = q.new_zeros(tasks, num_kv_heads, rows, head_dim)
         task_q[:, :, :slot_rows] = picked.transpose(1, 2).reshape(
             tasks, num_kv_heads, slot_rows, head_dim
         )
@@ -112,9 +115,10 @@ def attend_spans(
 
 
 def _span_keys(cache: torch.Tensor, metadata: SpanMetadata) -> torch.Tensor:
-    """Every group's S keys of one layer, fp32 ``[groups, H_kv, S, D]`` (a strided view),
-    zero past the context: masked keys enter no sum, and garbage there may be NaN."""
-    gathered = gather_tokens(cache, metadata.block_ids).to(torch.float32)  # [g, S, H_kv, D]
+    """Every group's S keys of one layer, fp32 ``[groups, H_kv, S, D]`` (a strided view of a
+    fresh copy), zero past the context: masked keys enter no sum, and garbage there may be
+    NaN."""
+    gathered = gather_tokens(cache, metadata.block_ids).float()  # [groups, S, H_kv, D]
     if metadata.keys_outside.numel():
         flat = gathered.view(-1, gathered.shape[2] * gathered.shape[3])
         flat.index_fill_(0, metadata.keys_outside, 0.0)
@@ -124,18 +128,19 @@ def _span_keys(cache: torch.Tensor, metadata: SpanMetadata) -> torch.Tensor:
 def _merge(
     states: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, valid: torch.Tensor
 ) -> torch.Tensor:
-    """Each row's span states merged in span order (see the module docstring); pads (not
-    ``valid``) are skipped, never added, so a row's sums are its own spans' alone."""
+    """Each row's span states merged in span order (see the module docstring).
+
+    The sums are running sums along the spans (``cumsum``: one add after another, span
+    0 first), read at each row's own last span: a row's sums never see the pads after it.
+    """
     rows, num_spans = index.shape
-    outs = states.index_select(0, index.view(-1)).view(rows, num_spans, *states.shape[1:])
-    logs = lse.index_select(0, index.view(-1)).view(rows, num_spans, -1)
+    flat = index.view(-1)
+    outs = states.index_select(0, flat).view(rows, num_spans, *states.shape[1:])
+    logs = lse.index_select(0, flat).view(rows, num_spans, -1)
     logs = logs.masked_fill(~valid[:, :, None], float("-inf"))
-    top = logs.amax(dim=1)  # [m, H_q]
-    num = torch.zeros_like(outs[:, 0])
-    den = torch.zeros_like(top)
-    for j in range(num_spans):
-        weight = torch.exp(logs[:, j] - top)
-        keep = valid[:, j, None]
-        den = torch.where(keep, den + weight, den)
-        num = torch.where(keep[:, :, None], num + outs[:, j] * weight[:, :, None], num)
-    return num / den[:, :, None]
+    weights = torch.exp(logs - logs.amax(dim=1, keepdim=True))  # [m, n, H_q]; pads: 0
+    last = (valid.sum(dim=1) - 1).view(rows, 1, 1)
+    den = weights.cumsum(dim=1).gather(1, last.expand(-1, -1, weights.shape[2]))
+    num = (outs * weights[..., None]).cumsum(dim=1)
+    num = num.gather(1, last[..., None].expand(-1, -1, *num.shape[2:]))
+    return (num / den[..., None]).squeeze(1)
