@@ -4,6 +4,8 @@
     plain        the ``[out, in]`` matrices as loaded    F.linear, addmm
     onednn       prepacked in oneDNN's blocked layout    torch's oneDNN linears (CPU, fp32/bf16)
     tiles        packed for the CPU's tile unit (AMX)    ``kernels.cpu.tile_linear`` (bf16, native)
+    pair_blocks  bf16 input pairs in 16-column blocks    ``kernels.cpu.pair_linear`` (bf16,
+                                                         AVX512-BF16 without a tile unit)
     bf16_blocks  bf16 in 16-column blocks               ``kernels.cpu.narrow_linear`` (AVX2; a
                                                          bf16 model's rows summed in fp32)
     int8_blocks  int8 + a scale per row, fp32 model     ``kernels.cpu.narrow_linear`` (AVX2)
@@ -14,14 +16,15 @@ A model picks its layout once, at load (``choose_layout``), packs its matrices w
 that variant's ``pack`` and runs every projection through its ``linear`` /
 ``linear_add`` (the residual add fused into the matmul). Whether the native linears
 may run is the kernels' decision (``kernels.backend.tile_linears_available``,
-``kernels.backend.narrow_linears_available``).
+``kernels.backend.pair_linears_available``, ``kernels.backend.narrow_linears_available``).
 
 Invariance (``kernels.invariance``): a row's output must not depend on how many rows the
 step has. torch's own matmuls change their summation order with the row count (a single
 row takes a matrix-vector path; other counts other blockings), so an invariant model
-never uses ``plain`` or ``onednn``: tiles, the narrow blocks and ``chunked`` sum each row
-the same way whatever the step (tiles: the tile unit's fixed order per 32-deep step; the
-narrow blocks: one FMA per input in order; ``chunked``: every matmul call has one shape,
+never uses ``plain`` or ``onednn``: tiles, the pair and narrow blocks and ``chunked`` sum
+each row the same way whatever the step (tiles: the tile unit's fixed order per 32-deep
+step; pair blocks: one dot-pair step per two inputs in order; the narrow blocks: one FMA
+per input in order; ``chunked``: every matmul call has one shape,
 16 rows, padded, which measured bit-identical rows at every position, chunk count and
 thread count).
 """
@@ -35,7 +38,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import narrow_linears_available, tile_linears_available
+from kernels.backend import (
+    narrow_linears_available,
+    pair_linears_available,
+    tile_linears_available,
+)
 from kernels.cpu.narrow_linear import (
     NarrowWeight,
     pack_bf16_weight,
@@ -43,11 +50,14 @@ from kernels.cpu.narrow_linear import (
     pack_int8_weight,
 )
 from kernels.cpu.narrow_linear import narrow_linear as _narrow_linear
+from kernels.cpu.pair_linear import PairWeight, pack_pair_weight
+from kernels.cpu.pair_linear import pair_linear as _pair_linear
 from kernels.cpu.tile_linear import TileWeight, pack_tile_weight
 from kernels.cpu.tile_linear import tile_linear as _tile_linear
 
 WEIGHT_LAYOUTS = (
     "tiles",
+    "pair_blocks",
     "bf16_blocks",
     "int8_blocks",
     "fp32_blocks",
@@ -99,10 +109,10 @@ def choose_layout(
     invariant: bool = True,
 ) -> str:
     """A model's ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``: a layout by name, False
-    = plain, True or None = the best available here: tiles, then (an fp32 model whose
-    weights bf16 holds) bf16_blocks, then for an ``invariant`` model the narrow blocks of
-    its dtype (bf16_blocks, fp32_blocks) or else chunked; for a model that need not be
-    invariant onednn, else (None) plain.
+    = plain, True or None = the best available here: tiles, then pair_blocks (bf16), then
+    (an fp32 model whose weights bf16 holds) bf16_blocks, then for an ``invariant`` model
+    the narrow blocks of its dtype (bf16_blocks, fp32_blocks) or else chunked; for a model
+    that need not be invariant onednn, else (None) plain.
 
     ``weight_dtype`` (``WEIGHT_DTYPES``; None = "auto") is what an fp32 model stores its
     matrices in: "auto" takes bf16_blocks only where the weights are ``exact_in_bf16()``
@@ -117,10 +127,12 @@ def choose_layout(
     if weight_dtype in ("fp32", "int8") and dtype != torch.float32:
         raise ValueError(f"{weight_dtype} weights run in an fp32 model (dtype fp32), not {dtype}")
     tiles = tile_linears_available(device, dtype)
+    pairs = pair_linears_available(device, dtype)
     narrow = narrow_linears_available(device, dtype)
     onednn = can_prepack(device, dtype)
     fp32_narrow = narrow and dtype == torch.float32
-    available = {"tiles": tiles, "onednn": onednn, "plain": True, "chunked": True}
+    available = {"tiles": tiles, "pair_blocks": pairs, "onednn": onednn, "plain": True}
+    available["chunked"] = True
     available |= {"bf16_blocks": narrow, "int8_blocks": fp32_narrow, "fp32_blocks": fp32_narrow}
     if dtype == torch.float32 and weight_dtype in NARROW_LAYOUTS:
         forced = NARROW_LAYOUTS[weight_dtype]
@@ -137,6 +149,8 @@ def choose_layout(
     if choice is None or choice is True:
         if tiles:
             return "tiles"
+        if pairs:
+            return "pair_blocks"
         if fp32_narrow and weight_dtype == "auto" and exact_in_bf16():
             return "bf16_blocks"
         if invariant:
@@ -202,6 +216,16 @@ def tile_linear_add(x: torch.Tensor, weight: TileWeight, residual: torch.Tensor)
     return _tile_linear(x, weight, None, residual)
 
 
+def pair_linear(x: torch.Tensor, weight: PairWeight, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.pair_linear.pack_pair_weight``."""
+    return _pair_linear(x, weight, bias)
+
+
+def pair_linear_add(x: torch.Tensor, weight: PairWeight, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a pair-packed weight."""
+    return _pair_linear(x, weight, None, residual)
+
+
 def narrow_linear(x: torch.Tensor, weight: NarrowWeight, bias: torch.Tensor | None = None):
     """``x @ weight^T + bias`` with a weight from ``kernels.cpu.narrow_linear``'s packers; a
     bf16 ``x`` (a bf16 model) is summed in fp32 and the result rounded once, as the tile
@@ -250,6 +274,7 @@ LINEARS = {
     "plain": Linears("plain", _plain, linear, linear_add),
     "onednn": Linears("onednn", prepack, packed_linear, packed_linear_add),
     "tiles": Linears("tiles", pack_tile_weight, tile_linear, tile_linear_add),
+    "pair_blocks": Linears("pair_blocks", pack_pair_weight, pair_linear, pair_linear_add),
     "bf16_blocks": Linears("bf16_blocks", pack_bf16_weight, narrow_linear, narrow_linear_add),
     "int8_blocks": Linears("int8_blocks", pack_int8_weight, narrow_linear, narrow_linear_add),
     "fp32_blocks": Linears("fp32_blocks", pack_fp32_weight, narrow_linear, narrow_linear_add),

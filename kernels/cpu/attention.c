@@ -39,8 +39,9 @@
  * Each item takes one of the paths (`attend_item`), one file each:
  *
  *   widening loops   any dtype: K/V widened to fp32      attention_avx512.c
- *                                                        (attention_portable.c
- *                                                        without AVX-512)
+ *                                                        (attention_avx2.c on AVX2,
+ *                                                        attention_portable.c
+ *                                                        elsewhere)
  *   dot pairs        bf16 on AVX512-BF16                 attention_bf16.c
  *   tile unit        bf16 runs of several tokens, AMX    attention_amx.c
  *

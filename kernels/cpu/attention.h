@@ -3,7 +3,8 @@
  *   attention.c           the entry: work items, slices, the thread team, the path per item
  *   attention_plan.c      the shared-prefix planner (`plan_shared`)
  *   attention_merge.c     the merge of an item's partial states (`merge_tile`)
- *   attention_portable.c  the widening loops in portable C (builds without AVX-512)
+ *   attention_portable.c  the widening loops in portable C (builds without AVX-512 or AVX2)
+ *   attention_avx2.c      the widening loops on AVX2 + FMA (K and V widened to fp32)
  *   attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
  *   attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
  *   attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)

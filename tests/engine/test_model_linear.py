@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import ENV_VAR, narrow_linears_available, tile_linears_available
+from kernels.backend import (
+    ENV_VAR,
+    narrow_linears_available,
+    pair_linears_available,
+    tile_linears_available,
+)
 from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout, exact_in_bf16
 
 CPU = torch.device("cpu")
@@ -21,6 +26,7 @@ def _available(dtype):
         if layout in ("plain", "chunked")
         or (layout == "onednn" and can_prepack(CPU, dtype))
         or (layout == "tiles" and tile_linears_available(CPU, dtype))
+        or (layout == "pair_blocks" and pair_linears_available(CPU, dtype))
         or (layout == "bf16_blocks" and narrow)
         or (layout == "fp32_blocks" and narrow and dtype == torch.float32)
     ]
@@ -66,6 +72,8 @@ def test_prepack_weights_picks_a_layout_the_kernels_allow(monkeypatch):
     if tile_linears_available(CPU, torch.bfloat16):
         assert choose_layout(None, CPU, torch.bfloat16) == "tiles"
         assert choose_layout("onednn", CPU, torch.bfloat16) == "onednn"
+    elif pair_linears_available(CPU, torch.bfloat16):  # AVX512-BF16 without a tile unit
+        assert choose_layout(None, CPU, torch.bfloat16) == "pair_blocks"
     elif narrow_linears_available(CPU, torch.bfloat16):  # a bf16 model summed in fp32
         assert choose_layout(None, CPU, torch.bfloat16) == "bf16_blocks"
 
