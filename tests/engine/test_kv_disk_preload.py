@@ -16,6 +16,7 @@ import torch
 from cache import Namespace
 from chatsvc.engine.async_engine import AsyncEngine
 from chatsvc.engine.kv_disk.fileformat import header_len
+from chatsvc.kv_metrics import TierTrafficCollector
 from tests.engine.test_kv_disk_engine import (
     NS,
     Clock,
@@ -118,6 +119,14 @@ def test_a_preloaded_turn_reads_no_file_and_ends_as_a_loaded_one(
     assert stats["preload"]["disk"]["load_misses"] == 0
     preload = stats["preload"]["disk"]["preload"]
     assert preload["used_blocks"] == full_blocks and preload["staged_blocks"] == 0
+    samples = {
+        sample.labels["outcome"]: sample.value
+        for family in TierTrafficCollector(lambda: stats["preload"]).collect()
+        if family.name == "chatsvc_kv_disk_preload_blocks"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert samples == {"read": full_blocks, "used": full_blocks, "dropped": 0}
 
 
 def test_the_preload_is_bounded_and_lets_go_of_deleted_and_stale_blocks(
