@@ -281,7 +281,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.chatsvc_linear_uses_tiles.argtypes = []
     lib.chatsvc_narrow_linear_packed_elements.restype = i64
     lib.chatsvc_narrow_linear_packed_elements.argtypes = [i64, i64]
-    for fmt in ("bf16", "int8"):
+    for fmt in ("bf16", "int8", "f32"):
         pack = getattr(lib, f"chatsvc_narrow_linear_pack_{fmt}")
         pack.restype = None
         pack.argtypes = [ptr, i64, i64, i64, ptr]  # w, row stride, n, k, packed
