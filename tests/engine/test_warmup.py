@@ -90,12 +90,12 @@ def metrics_of(engine) -> list:
 def test_the_disk_load_changes_no_block_file_and_no_statistic(smollm2_fp32, tmp_path):
     kv = tmp_path / "kv"
     earlier = make_engine(
-        smollm2_fp32, max_num_seqs=2, max_num_batched_tokens=128, kv_disk_dir=str(kv)
+        smollm2_fp32, max_num_seqs=2, max_num_batched_tokens=16, kv_disk_dir=str(kv)
     )
     run(earlier, [greedy("r", prompt(earlier, "Name a color, then a fruit."), max_tokens=4)])
     earlier.close()
     engine = make_engine(
-        smollm2_fp32, max_num_seqs=2, max_num_batched_tokens=128, kv_disk_dir=str(kv)
+        smollm2_fp32, max_num_seqs=2, max_num_batched_tokens=16, kv_disk_dir=str(kv)
     )
     assert engine.disk_tier.num_found > 0
     tier = engine.disk_tier
@@ -111,7 +111,7 @@ def test_the_disk_load_changes_no_block_file_and_no_statistic(smollm2_fp32, tmp_
         tier.worker.wait(0.05)
 
     # "disk load" alone: its outcome was "ok" (read back and verified in the pool block).
-    assert ran[:4] == ["decode x1", "prefill 128", "extend 64 after 256", "disk load"]
+    assert ran[:4] == ["decode x1", "prefill 16", "extend 16 after 256", "disk load"]
     assert torch.equal(engine.runner.kv_pool, pool), "the disk load changed the pool"
     assert engine.cache_stats() == stats
     assert metrics_of(engine) == metrics
