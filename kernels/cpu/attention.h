@@ -58,11 +58,13 @@ typedef struct {
     const int32_t *tokens;
 } Item;
 
-/* A tile of one sequence's new tokens and where its pieces' partial states lie:
+/* A tile of one sequence's new tokens, its own items (first_item, num_items: the
+ * pieces of its keys, shared items aside) and where its pieces' partial states lie:
  * row r of piece p at partials[(parts[first_part + p] + r) * (D + 2)]. */
 typedef struct {
     int32_t seq, q_begin, q_end;
     int32_t first_part, num_parts;
+    int64_t first_item, num_items;
 } Tile;
 
 /* Sequences attending to their common leading blocks together (`plan_shared`). */
