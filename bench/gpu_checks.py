@@ -19,7 +19,7 @@
                 over chunkings and batch companions), fp32 and bf16, as a table
 
 Each check prints one line, PASS or FAIL with the reason; the exit status is
-the number of failures. ``--device cpu`` runs 2-4 on the CPU (1 needs CUDA),
+the number of failures. ``--device cpu`` runs 2-5 on the CPU (1 needs CUDA),
 which is how the suite keeps this script working without a GPU (5 then checks the
 torch backend's spans and the fp32 model).
 """

@@ -97,7 +97,7 @@ def attend_spans(
         k, v = keys[call.first_group : stop], values[call.first_group : stop]
         if call.num_groups != tasks:  # a run: its tasks share the group's keys
             k, v = k.expand(tasks, -1, -1, -1), v.expand(tasks, -1, -1, -1)
-        o, lse = _flash(task_q, k, v, attn_mask=call.bias, scale=scale)
+        o, lse = attend_tasks(task_q, k, v, call.bias, scale)
         # Back to one state per slot: [tasks * slots, H_q, D] and [tasks * slots, H_q].
         o = o[:, :, :slot_rows].reshape(tasks, num_kv_heads, -1, group, head_dim)
         states.append(o.transpose(1, 2).reshape(-1, num_q_heads, head_dim))
@@ -112,6 +112,33 @@ def attend_spans(
         merged = _merge(state, lse, metadata.merge_states, metadata.merge_valid)
         out.index_copy_(0, metadata.merge_rows, merged.to(query.dtype))
     return out
+
+
+def attend_tasks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tasks ``q [n, H_kv, rows, D]`` over ``k``/``v`` ``[n, H_kv, S, D]`` with the additive
+    ``bias [n, 1, rows, S]``: ``(out [n, H_kv, rows, D], lse [n, H_kv, rows])``, fp32.
+
+    On the CPU torch's flash kernel runs them (see the module docstring). Elsewhere (the
+    torch reference on CUDA, an oracle for the Triton kernels, never a serving path) the
+    same softmax in plain torch ops: right, but its matrix products are the device
+    library's, whose order for a task may follow the batch (not measured)."""
+    if q.device.type == "cpu":
+        return _flash(q, k, v, attn_mask=bias, scale=scale)
+    return tasks_in_plain_ops(q, k, v, bias, scale)
+
+
+def tasks_in_plain_ops(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend_tasks`` off the CPU: matmul, softmax and log-sum-exp in torch ops."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights, v) / total
+    return out, (top + torch.log(total)).squeeze(-1)
 
 
 def _span_keys(cache: torch.Tensor, metadata: SpanMetadata) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import assert_close
 
-from bench import cpu_attention, torch_attention
+from bench import cpu_attention, torch_attention, triton_spans
 from bench import kernels as bench_kernels
 from kernels.cpu import native
 from kernels.linear import can_prepack
@@ -17,6 +17,12 @@ from kernels.linear import can_prepack
 def test_without_cuda_it_reports_and_exits_zero(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_kernels.main([]) == 0
+    assert "No CUDA device" in capsys.readouterr().out
+
+
+def test_triton_spans_without_cuda_reports_and_exits_zero(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert triton_spans.main([]) == 0
     assert "No CUDA device" in capsys.readouterr().out
 
 

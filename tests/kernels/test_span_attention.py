@@ -20,6 +20,7 @@ from kernel_cases import assert_close, extend_inputs, extend_oracle, make_paged_
 
 import kernels
 from kernels import invariance
+from kernels.span_attention import attend_tasks, tasks_in_plain_ops
 from kernels.span_metadata import span_metadata, task_rows
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -169,3 +170,18 @@ def test_the_grouped_path_stays_for_invariant_false(small_span):
         *args, 1 / math.sqrt(32), backend="torch", invariant=False
     )
     assert_close(grouped, extend_oracle(case, query, q_lens), torch.float32)
+
+
+def test_the_path_off_the_cpu_computes_the_same_tasks():
+    """On CUDA the torch reference runs its tasks in plain torch ops (torch's flash kernel
+    is the CPU's); here both on the same tasks, with masked keys past each row."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 3, 6, 64, generator=gen)
+    k, v = (torch.randn(1, 3, 256, 64, generator=gen).expand(5, -1, -1, -1) for _ in range(2))
+    positions = torch.tensor([3, 100, 200, 255, 0])
+    hidden = torch.arange(256) > positions[:, None, None, None]
+    bias = torch.zeros(5, 1, 6, 256).masked_fill_(hidden, float("-inf"))
+    flash_out, flash_lse = attend_tasks(q, k, v, bias, 0.125)
+    plain_out, plain_lse = tasks_in_plain_ops(q, k, v, bias, 0.125)
+    assert_close(plain_out, flash_out, torch.float32)
+    assert_close(plain_lse, flash_lse, torch.float32)
