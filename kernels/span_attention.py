@@ -76,7 +76,9 @@ def attend_spans(
     group = num_q_heads // num_kv_heads
     # A fresh fp32 copy of the rows (every task's rows aligned alike) and a zero token
     # (row T) for the empty slots.
-    q = torch.zeros(num_tokens + 1, num_kv_heads, group, head_dim, dtype=torch.float32)
+    q = torch.zeros(
+        num_tokens + 1, num_kv_heads, group, head_dim, dtype=torch.float32, device=query.device
+    )
     q[:num_tokens] = query.view(num_tokens, num_kv_heads, group, head_dim)
     keys = _span_keys(k_cache, metadata)  # [groups, H_kv, S, D]
     values = _span_keys(v_cache, metadata)
