@@ -23,6 +23,8 @@ tests/kernels/kernel_cases.py); ``check_matmul`` validates the inputs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.triton_compat import dot_dtype, runnable, tl, triton
@@ -30,10 +32,25 @@ from kernels.triton_compat import dot_dtype, runnable, tl, triton
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def matmul_blocks(device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of every program on ``device``: fixed per device kind,
-    never chosen by the shape (smaller under the interpreter, which runs numpy)."""
-    return (64, 64, 32) if device.type == "cuda" else (16, 16, 16)
+class MatmulTiles(NamedTuple):
+    """A program's tile and the launch's warps and stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Every program on CUDA has this shape, whatever M (docs/kernels.md, "Invariance", for the
+# H200 figures); under the interpreter, which runs numpy, a smaller one.
+CUDA_TILES = MatmulTiles(64, 64, 32, 4, 3)
+INTERPRETED_TILES = MatmulTiles(16, 16, 16, 1, 1)
+
+
+def matmul_tiles(device: torch.device) -> MatmulTiles:
+    """The program shape on ``device``: fixed per device kind, never chosen by the shape."""
+    return CUDA_TILES if device.type == "cuda" else INTERPRETED_TILES
 
 
 @triton.jit
@@ -142,8 +159,8 @@ def matmul(
         if residual is not None:
             out += residual
         return out
-    block_m, block_n, block_k = matmul_blocks(x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    tiles = matmul_tiles(x.device)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     runnable(matmul_kernel, x.device)[grid](
         x,
         weight,
@@ -160,11 +177,11 @@ def matmul(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         DOT_DTYPE=dot_dtype(x),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=4,
-        num_stages=3,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out
 

@@ -36,6 +36,7 @@ one fixed shape; the tests check the same property there. The torch twin is
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -48,10 +49,24 @@ from kernels.validate import check_shared_strides
 _NEG_INIT = tl.constexpr(-1.0e30)
 
 
-def span_blocks(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_M query rows, BLOCK_N keys) of every program on ``device``: fixed per device
-    kind, never per launch (smaller under the interpreter, which runs numpy)."""
-    return (16, 64) if device.type == "cuda" else (16, 16)
+class SpanTiles(NamedTuple):
+    """A program's shape: query rows, keys per tile, and the launch's warps and stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Every program on CUDA has this shape, whatever the launch (docs/kernels.md, "Invariance",
+# for the H200 figures); under the interpreter, which runs numpy, a smaller one.
+CUDA_TILES = SpanTiles(16, 64, 4, 2)
+INTERPRETED_TILES = SpanTiles(16, 16, 1, 1)
+
+
+def span_tiles(device: torch.device) -> SpanTiles:
+    """The program shape on ``device``: fixed per device kind, never chosen per launch."""
+    return CUDA_TILES if device.type == "cuda" else INTERPRETED_TILES
 
 
 @triton.jit
@@ -170,9 +185,9 @@ def paged_attention_spans_triton(
         raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
     check_shared_strides(k_cache, v_cache)
     span = invariance.SPAN_TOKENS if span is None else span
-    block_m, block_n = span_blocks(query.device)
-    if span <= 0 or span % block_n:
-        raise ValueError(f"span {span} must be a positive multiple of the key tile {block_n}")
+    tiles = span_tiles(query.device)
+    if span <= 0 or span % tiles.block_n:
+        raise ValueError(f"span {span} must be a positive multiple of the key tile {tiles.block_n}")
     out = torch.empty_like(query)
     batch = context_lens.shape[0]
     if batch == 0 or num_tokens == 0:
@@ -192,7 +207,7 @@ def paged_attention_spans_triton(
     block_tables = block_tables.contiguous()
     query_start_loc = query_start_loc.contiguous()
     context_lens = context_lens.contiguous()
-    grid = (batch, triton.cdiv(max_query_len * group, block_m), max_spans * num_kv_heads)
+    grid = (batch, triton.cdiv(max_query_len * group, tiles.block_m), max_spans * num_kv_heads)
     runnable(paged_span_kernel, query.device)[grid](
         query,
         k_cache,
@@ -219,10 +234,10 @@ def paged_attention_spans_triton(
         LOG2_BLOCK=block_size.bit_length() - 1,
         DOT_DTYPE=dot_dtype(query),
         SPAN=span,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=4,
-        num_stages=2,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if max_spans > 1:
         merge_spans(out, part_acc, part_ml, query_start_loc, context_lens, max_query_len, span)
