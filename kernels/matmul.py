@@ -44,7 +44,7 @@ class MatmulTiles(NamedTuple):
 
 # Every program on CUDA has this shape, whatever M (docs/kernels.md, "Invariance", for the
 # H200 figures); under the interpreter, which runs numpy, a smaller one.
-CUDA_TILES = MatmulTiles(64, 64, 32, 4, 3)
+CUDA_TILES = MatmulTiles(128, 128, 64, 8, 3)
 INTERPRETED_TILES = MatmulTiles(16, 16, 16, 1, 1)
 
 

@@ -114,18 +114,18 @@ def span_metadata(
     singles = [g for g in groups if g.token_stop - g.token_start == 1]
     runs = [g for g in groups if g.token_stop - g.token_start > 1]
     device = block_tables.device
-    # Each call's tasks as lists of (group, token) per slot: single-token groups one task
-    # each in one call; a run's tokens in order, ``per_task`` to a task, a call per run.
-    plans = [(0, [[(g, g.token_start)] for g in singles])] if singles else []
+    # Each call: (its first group, its groups, its tasks as (group, query row) per filled
+    # slot). Single-token groups: one call, a task each; a run: ``per_task`` tokens to a
+    # task in order, one call per run.
+    plans = [(0, len(singles), [[(g, g.token_start)] for g in singles])] if singles else []
     for i, g in enumerate(runs):
         tokens = [(g, t) for t in range(g.token_start, g.token_stop)]
-        plans.append(
-            (len(singles) + i, [tokens[k : k + per_task] for k in range(0, len(tokens), per_task)])
-        )
+        tasks = [tokens[k : k + per_task] for k in range(0, len(tokens), per_task)]
+        plans.append((len(singles) + i, 1, tasks))
     state_of: dict[tuple[int, int], int] = {}  # (query row, span) -> its state
     calls = []
     num_states = 0
-    for first_group, tasks in plans:
+    for first_group, num_groups, tasks in plans:
         rows, positions, spans = [], [], []
         for task in tasks:
             g = task[0][0]
@@ -140,7 +140,6 @@ def span_metadata(
             spans.append(g.span)
         bias = _bias(positions, spans, span, group_size, per_task, device)
         slots = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, per_task)
-        num_groups = len(tasks) if first_group == 0 and singles else 1
         calls.append(SpanCall(first_group, num_groups, slots, bias))
         num_states += len(rows)
     block_ids, keys_outside = _keys(singles + runs, block_tables, lens, block_size, span)
