@@ -18,14 +18,17 @@ Public API (signatures fixed in docs/contracts.md)::
     apply_rope_(x, cos, sin)
     swiglu(gate_up) -> out
 
-Every function also takes, by keyword (the last three only ``backend``):
+Every function also takes, by keyword (the last three only ``backend``; ``invariant``
+only the attention):
 
 - ``backend``: ``"auto"`` (Triton when the tensors are on CUDA; on the CPU the
   native C kernels where they build, else the torch reference), ``"torch"``,
   ``"native"`` (C loops: attention of short query runs, the KV write and the
   element-wise layers; torch for the rest) or ``"triton"`` (on CPU tensors:
-  Triton's interpreter, for tests; the element-wise layers then run their torch
-  code). ``CHATSVC_KERNEL_BACKEND`` sets the default (see ``kernels.backend``).
+  Triton's interpreter, for tests; RMSNorm runs its Triton kernel, RoPE and SwiGLU
+  their torch code). ``CHATSVC_KERNEL_BACKEND`` sets the default (see ``kernels.backend``).
+- ``invariant`` (the attention's): see ``kernels.invariance``; with it the torch path
+  runs ``kernels.span_attention`` and Triton ``kernels.span_attention_triton``.
 - ``check_bounds``: value-range checks of the index tensors (block ids, slots,
   context lengths); on by default. They read the index tensors, which is a
   host sync on CUDA, so a hot path fed by the trusted cache manager may turn
