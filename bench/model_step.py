@@ -238,6 +238,12 @@ def main() -> None:
     )
     parser.add_argument("--extend", type=int, default=32, help="new tokens of the extend step")
     parser.add_argument(
+        "--fastest-layout",
+        default="",
+        help="weight layout of the fastest model (e.g. onednn, the layout before invariance; "
+        "default: the best available)",
+    )
+    parser.add_argument(
         "--weight-dtypes",
         default="",
         help="comma-separated weight dtypes of an fp32 model (fp32,bf16,int8): one model "
@@ -306,9 +312,12 @@ def main() -> None:
 
 def invariant_main(args) -> None:
     """The default model with invariant kernels and with the fastest ones, interleaved."""
+    fastest = args.fastest_layout or None
     models = {
         "invariant": load_model("smollm2", dtype=args.dtype, invariant=True),
-        "fastest": load_model("smollm2", dtype=args.dtype, invariant=False),
+        "fastest": load_model(
+            "smollm2", dtype=args.dtype, invariant=False, prepack_weights=fastest
+        ),
     }
     first = models["invariant"]
     print(
