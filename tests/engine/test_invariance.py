@@ -175,11 +175,13 @@ prompts = st.fixed_dictionaries(
 )
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@settings(max_examples=8, deadline=None)
+@pytest.mark.parametrize(
+    "dtype, backend", [("fp32", "native"), ("bf16", "native"), ("fp32", "torch"), ("bf16", "torch")]
+)
+@settings(max_examples=6, deadline=None)
 @given(case=prompts)
-def test_a_prompts_values_do_not_depend_on_how_it_was_computed(case, dtype):
-    model = model_for(dtype, "native")
+def test_a_prompts_values_do_not_depend_on_how_it_was_computed(case, dtype, backend):
+    model = model_for(dtype, backend)
     rng = random.Random(case["seed"])
     tokens = [rng.randrange(100, 40000) for _ in range(case["length"])]
     companions = [[rng.randrange(100, 40000) for _ in range(n)] for n in case["companions"]]
@@ -192,11 +194,12 @@ def test_a_prompts_values_do_not_depend_on_how_it_was_computed(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_past_the_real_span_a_cached_prefix_and_decodes_give_the_same_values(dtype):
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_past_the_real_span_a_cached_prefix_and_decodes_give_the_same_values(dtype, backend):
     """A 300-token prompt (two spans of 256): its first 256 tokens written by another
     request, the rest as a turn of 20 tokens and then decodes one token a step, beside a
     companion's prefill chunks; against one solo prefill."""
-    model = model_for(dtype, "native")
+    model = model_for(dtype, backend)
     rng = random.Random(7)
     tokens = [rng.randrange(100, 40000) for _ in range(300)]
     cuts = [276, *range(277, 300)]
