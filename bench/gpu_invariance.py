@@ -24,8 +24,10 @@ cover the span boundary), and no matmul row (the interpreter tests check it).
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -178,9 +180,20 @@ def _model_rows(
     return _row("model logits + K/V", dtype, len(compared) + 1, differing)
 
 
-def check_invariance(device: str, fp32_model=None) -> str:
+def _random_model(dtype: torch.dtype, device: str) -> SimpleNamespace:
+    """SmolLM2-135M's shape with random weights, as the loaded model's stand-in where the
+    converted checkpoint cannot travel (a device machine takes 64 MiB of files)."""
+    from chatsvc.engine.llama import LlamaModel
+    from chatsvc.engine.weights_random import named_config, random_weights
+
+    config = named_config("smollm2-135m")
+    return SimpleNamespace(model=LlamaModel(config, random_weights(config, dtype, device)))
+
+
+def check_invariance(device: str, fp32_model=None, random_weights: bool = False) -> str:
     """Print the table; PASS when every row is bit-identical (``fp32_model``: a loaded
-    fp32 model on ``device`` to reuse, else one is loaded)."""
+    fp32 model on ``device`` to reuse, else one is loaded; ``random_weights``: the model
+    rows run SmolLM2's shape with random weights instead of the checkpoint)."""
     from chatsvc.engine.loader import load_model
 
     on_cuda = torch.device(device).type == "cuda"
@@ -198,6 +211,8 @@ def check_invariance(device: str, fp32_model=None) -> str:
         for dtype in dtypes if on_cuda else [torch.float32]:
             if dtype == torch.float32 and fp32_model is not None:
                 loaded = fp32_model
+            elif random_weights:
+                loaded = _random_model(dtype, device)
             else:
                 name = "fp32" if dtype == torch.float32 else "bf16"
                 loaded = load_model("smollm2", dtype=name, device=device)
@@ -217,3 +232,19 @@ def check_invariance(device: str, fp32_model=None) -> str:
     if failed:
         raise AssertionError(f"{len(failed)} of {len(rows)} parts differ")
     return f"PASS ({len(rows)} parts bit-identical)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="model rows over SmolLM2's shape with random weights (no checkpoint needed)",
+    )
+    args = parser.parse_args()
+    print(check_invariance(args.device, random_weights=args.random_weights))
+
+
+if __name__ == "__main__":
+    main()
