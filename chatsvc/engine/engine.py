@@ -253,6 +253,12 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------
 
+    def watch_threads(self) -> None:
+        """Between steps and while idle: let the thread governor (threads.py) look at
+        what other processes use, so the next step's team follows the last window."""
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
+
     def step(self) -> list[StepOutput]:
         """Run one scheduler step; returns the deltas (and errors) it produced.
 
@@ -260,8 +266,7 @@ class LLMEngine:
         a failure of the scheduler, the cache plans or the cache's bookkeeping is
         raised (see the module docstring).
         """
-        if self.thread_governor is not None:
-            self.thread_governor.before_step()
+        self.watch_threads()
         io = self.step_io
         self.scheduler.finish_loads(io.finished_loads())
         out = self.scheduler.schedule()
