@@ -113,6 +113,7 @@ def paged_decode_attention(
     check_bounds: bool = True,
     partition_size: int | None = None,
     metadata: ExtendMetadata | None = None,
+    invariant: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -124,10 +125,11 @@ def paged_decode_attention(
     one new token per sequence) spares the CPU paths rebuilding gather ids and
     masks per layer; Triton ignores it. On the CPU a decode runs the extend kernels
     with one new token per sequence (``AttentionInputs.one_token_each``).
+    ``invariant``: see ``kernels.invariance``.
     """
     inputs = AttentionInputs(query, k_cache, v_cache, block_tables, None, context_lens, scale)
     check_decode(inputs, check_bounds)
-    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend)
+    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend, invariant)
     if choice.backend == "triton":
         return paged_decode_attention_triton(inputs, partition_size)
     if choice.backend == "torch":
@@ -149,6 +151,7 @@ def paged_extend_attention(
     check_bounds: bool = True,
     max_query_len: int | None = None,
     metadata: ExtendMetadata | None = None,
+    invariant: bool = True,
 ) -> torch.Tensor:
     """Causal attention of new-token chunks over their cached prefix and themselves.
 
@@ -158,13 +161,13 @@ def paged_extend_attention(
     ``[T, H_q, D]``. ``max_query_len`` spares the Triton path a host sync.
     ``metadata`` (``kernels.extend_metadata.extend_metadata`` of the same step)
     spares the CPU paths rebuilding their groups and masks per layer; Triton
-    ignores it.
+    ignores it. ``invariant``: see ``kernels.invariance``.
     """
     inputs = AttentionInputs(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
     check_extend(inputs, check_bounds)
-    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend)
+    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend, invariant)
     if choice.backend == "triton":
         return paged_extend_attention_triton(inputs, max_query_len)
     return _attention_on_cpu(inputs, choice, metadata)
@@ -176,7 +179,7 @@ def _attention_on_cpu(
     """The native or torch path of checked inputs that have their start tensor."""
     _check_metadata(metadata, inputs, choice)
     if choice.backend == "native":
-        return paged_extend_attention_native(inputs, metadata)
+        return paged_extend_attention_native(inputs, metadata, choice.invariant)
     return paged_extend_attention_torch(inputs, metadata)
 
 

@@ -52,6 +52,10 @@ NATIVE_MAX_QUERY = 6
 NATIVE_MAX_QUERY_TILES = 32
 
 
+# In invariant steps the C attention takes every run, whatever its length.
+NATIVE_ALL = 2**31 - 1
+
+
 class KernelChoice(NamedTuple):
     """The kernels of a step on given tensors (``choose_kernels``)."""
 
@@ -59,6 +63,8 @@ class KernelChoice(NamedTuple):
     # New tokens up to which the C attention takes a sequence; 0 off native, and in the
     # choice of an operation without heads.
     native_max_query: int
+    # Each token's values independent of the rest of its step (kernels/invariance.py).
+    invariant: bool = True
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -104,18 +110,23 @@ def choose_kernels(
     dtype: torch.dtype,
     head_dim: int | None = None,
     backend: str | None = None,
+    invariant: bool = True,
 ) -> KernelChoice:
     """The kernels that run on tensors of this device and dtype: those of a step
     (``kernels.step.bind.bind_step``) and of every public per-op function in ``kernels``.
     ``head_dim``: the attention's head size, for a step or an attention call; None for
     an operation without heads (the KV write, block copies, the element-wise layers).
     The native backend with tensors its C kernels do not take (fp16, say) runs the torch
-    kernels."""
+    kernels. ``invariant``: kernels whose results for a token do not depend on the rest of
+    the step (``kernels.invariance``; on the native backend the C attention then takes
+    every run); False: the fastest for each step's shape."""
     chosen = resolve_backend(backend, device)
     if chosen == "native" and not native_takes(device, dtype, head_dim):
         chosen = "torch"
-    attends = chosen == "native" and head_dim is not None
-    return KernelChoice(chosen, native_max_query(dtype, head_dim) if attends else 0)
+    limit = 0
+    if chosen == "native" and head_dim is not None:
+        limit = NATIVE_ALL if invariant else native_max_query(dtype, head_dim)
+    return KernelChoice(chosen, limit, invariant)
 
 
 def tile_linears_available(

@@ -77,6 +77,10 @@ class EngineConfig:
     # What an fp32 model stores its matrices in (kernels.linear.WEIGHT_DTYPES): "auto" =
     # bf16 where that loses nothing (a bf16 checkpoint), "bf16", "int8", "fp32".
     weight_dtype: str = "auto"
+    # A token's values (K, V, logits) independent of what else its step computes, so the
+    # answer is the same whatever the cache held and whatever was batched beside it
+    # (kernels/invariance.py); False: the fastest kernels for each step's shape.
+    invariant: bool = True
     device: str = "cpu"
     block_size: int = 16
     num_gpu_blocks: int | None = None

@@ -121,6 +121,7 @@ class LLMEngine:
                 config.seed,
                 data_dir=config.data_dir,
                 weight_dtype=config.weight_dtype,
+                invariant=config.invariant,
             )
         self.loaded = loaded
         self.model = loaded.model

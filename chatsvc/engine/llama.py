@@ -45,6 +45,7 @@ class LlamaModel:
         check_bounds: bool = True,
         prepack_weights: bool | str | None = None,
         weight_dtype: str | None = None,
+        invariant: bool = True,
     ) -> None:
         """check_bounds: validate each step's slots and block ids against the pool once per
         step (reads the index tensors: a host sync on CUDA; a trusted runner may turn it off).
@@ -61,6 +62,9 @@ class LlamaModel:
 
         weight_dtype: what an fp32 model stores its matrices in (``kernels.linear.choose_layout``:
         None = bf16 where that loses nothing, "bf16", "int8", "fp32").
+
+        invariant: every step's kernels keep a token's values independent of the rest of
+        the step (``kernels.invariance``); False: the fastest kernels for each step.
         """
         if len(weights.layers) != config.num_layers:
             raise ValueError(
@@ -74,6 +78,7 @@ class LlamaModel:
         self.rope = RotaryTables(config, self.max_positions, self.dtype, self.device)
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
+        self.invariant = invariant
         self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps)
         self.weight_layout = choose_layout(
             prepack_weights,
@@ -150,7 +155,7 @@ class LlamaModel:
 
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
         # The only way to the kernels: bound once for all layers, backend chosen there.
-        ops = bind_step(batch, kv_pool, self.step_dims)
+        ops = bind_step(batch, kv_pool, self.step_dims, invariant=self.invariant)
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
         for layer_id, layer in enumerate(w.layers):
             x = ops.rms_norm(h, layer.input_norm)

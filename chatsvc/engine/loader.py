@@ -78,6 +78,7 @@ def load_model(
     prepack_weights: bool | str | None = None,
     data_dir: str | Path | None = None,
     weight_dtype: str | None = None,
+    invariant: bool = True,
 ) -> LoadedModel:
     """Load a model by spec (see the module docstring).
 
@@ -90,6 +91,8 @@ def load_model(
     (None: ``~/.cache/chatsvc``).
     weight_dtype: what an fp32 model stores its matrices in (None: bf16 where that loses
     nothing; "bf16"; "int8"; "fp32"); see ``kernels.linear.choose_layout``.
+    invariant: kernels that keep a token's values independent of its step
+    (``kernels.invariance``); see ``LlamaModel``.
     """
     resolved = resolve_dtype(dtype, device)
     if spec == DEFAULT_SPEC:
@@ -100,6 +103,7 @@ def load_model(
             max_positions,
             prepack_weights,
             weight_dtype,
+            invariant,
         )
         return LoadedModel(
             loaded.config, loaded.model, loaded.tokenizer, DEFAULT_MODEL_NAME, loaded.path
@@ -114,6 +118,7 @@ def load_model(
             max_positions,
             prepack_weights=prepack_weights,
             weight_dtype=weight_dtype,
+            invariant=invariant,
         )
         tokenizer = load_tokenizer(ensure_default_model(models_dir(data_dir)))
         return LoadedModel(config, model, tokenizer, spec, None)
@@ -123,7 +128,9 @@ def load_model(
             f"unknown model spec {spec!r}: expected {DEFAULT_SPEC!r}, "
             f"'{RANDOM_PREFIX}<name>' or a local model directory"
         )
-    return load_local(path, resolved, device, max_positions, prepack_weights, weight_dtype)
+    return load_local(
+        path, resolved, device, max_positions, prepack_weights, weight_dtype, invariant
+    )
 
 
 def load_local(
@@ -133,12 +140,18 @@ def load_local(
     max_positions: int | None = None,
     prepack_weights: bool | str | None = None,
     weight_dtype: str | None = None,
+    invariant: bool = True,
 ) -> LoadedModel:
     """Load a local Hugging Face directory straight into our model (no transformers model)."""
     config = read_config(model_dir)
     with open_safetensors(model_dir) as get:
         weights = build_weights(config, get, dtype, device)
     model = LlamaModel(
-        config, weights, max_positions, prepack_weights=prepack_weights, weight_dtype=weight_dtype
+        config,
+        weights,
+        max_positions,
+        prepack_weights=prepack_weights,
+        weight_dtype=weight_dtype,
+        invariant=invariant,
     )
     return LoadedModel(config, model, load_tokenizer(model_dir), model_dir.name, model_dir)

@@ -6,16 +6,28 @@
  * and then runs SDPA over the copy; for decodes and short new turns the copy
  * costs as much as the attention. This kernel walks the block table instead:
  *
- *   work item = (sequence, tile of up to q_tile new tokens, slice of its blocks)
+ *   work item = (sequence, tile of up to q_tile new tokens, span or slice of its keys)
  *   rows      = the tile's tokens x all query heads
  *   for each 16-token key tile of the slice, up to the tile's last position, and
  *   each KV head:
  *       scores = rows of the head's GROUP . K[keys, head]^T   (read in place, bf16 -> fp32)
  *       online softmax per row (exp2, scale folded into Q), causal per row
  *       acc    = acc * alpha + P . V[keys, head]
- *   out = acc / l   (or, for a sequence split into slices, partial (m, l, acc)
+ *   out = acc / l   (or, for a tile whose keys are cut in pieces, partial (m, l, acc)
  *                    merged afterwards: flash-decoding, so one long sequence
  *                    still keeps every thread busy)
+ *
+ * How keys are cut decides whether a token's output depends on its step:
+ *
+ *   span > 0   (invariant, the default) every query's keys are cut at the same absolute
+ *              positions, multiples of `span` (kernels/invariance.py), whatever the
+ *              batch, the tile or the chunk; a row's pieces are merged in key order. A
+ *              row's arithmetic depends only on its own query and keys, so its output
+ *              is bit-identical in a decode, a prefill chunk of any length, alone or
+ *              batched. Every row of a dtype takes one path (no tile unit, no shared
+ *              items: those order a row's sums by what else is in the call).
+ *   span == 0  slices sized to keep the threads busy, shared-prefix items and the tile
+ *              unit where they pay: faster for some steps, the last bits depend on them.
  *
  * An item takes all KV heads of a block because a block's K (and V) rows hold
  * every head side by side: one item then reads each cache line once.
@@ -83,7 +95,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                             const int32_t *query_start, const int32_t *context_lens,
                             const int32_t *seqs, int32_t num_seqs, int32_t num_q_heads,
                             int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                            int32_t q_tile, float scale_log2, int32_t dtype,
+                            int32_t q_tile, int32_t span, float scale_log2, int32_t dtype,
                             int32_t num_threads) {
     if (num_seqs <= 0) return 0;
     int amx_on = 0;
@@ -100,7 +112,8 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     for (int32_t s = 0; s < num_seqs; s++) group[s] = -1;
 #if defined(CHATSVC_AMX)
     const int32_t G = num_q_heads / num_kv_heads;
-    if (dtype == DTYPE_BF16 && head_dim % 32 == 0 && AMX_ROWS / G >= 1 && amx_usable()) {
+    if (span == 0 && dtype == DTYPE_BF16 && head_dim % 32 == 0 && AMX_ROWS / G >= 1 &&
+        amx_usable()) {
         /* A tile holds 16 rows per KV head: the tile's new tokens x G. Threads set up
          * tiles only for a call that has a run long enough, or a shared prefix, to use
          * them (a lone decode's 3 rows would waste the setup). */
@@ -122,23 +135,33 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                     kv_stride_head, out, out_stride_t, out_stride_h, block_tables, table_stride,
                     query_start, context_lens, num_q_heads, num_kv_heads, block_size, q_tile,
                     dtype, scale_log2};
-    int64_t num_tiles = 0, num_tokens = 0;
+    int64_t num_tiles = 0, num_tokens = 0, num_spans = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
-        const int32_t q_len = query_start[seqs[s] + 1] - query_start[seqs[s]];
+        const int32_t b = seqs[s];
+        const int32_t q_len = query_start[b + 1] - query_start[b];
+        const int32_t prefix = context_lens[b] - q_len;
         num_tiles += (q_len + q_tile - 1) / q_tile;
         num_tokens += q_len;
+        for (int32_t begin = 0; span > 0 && begin < q_len; begin += q_tile) {
+            const int32_t end = begin + q_tile < q_len ? begin + q_tile : q_len;
+            num_spans += (prefix + end - 1) / span + 1;
+        }
     }
     if (num_tiles == 0) {
         free(groups);
         free(group);
         return 0;
     }
-    /* Split tiles into slices only when there are too few tiles to share out. */
-    const int64_t want = num_tiles >= 2 * num_threads ? 1 : (4 * num_threads + num_tiles - 1) / num_tiles;
-    /* Each tile becomes at most `want` items, plus a piece of its group's shared item. */
-    Item *items = malloc(sizeof(Item) * (num_tiles * want + num_groups + 1));
+    /* Without spans, split tiles into slices only when there are too few tiles to share
+     * out. Each tile becomes at most `want` items (its spans with them), plus a piece
+     * of its group's shared item. */
+    const int64_t want = span > 0 || num_tiles >= 2 * num_threads
+                             ? 1
+                             : (4 * num_threads + num_tiles - 1) / num_tiles;
+    const int64_t max_items = span > 0 ? num_spans : num_tiles * want;
+    Item *items = malloc(sizeof(Item) * (max_items + num_groups + 1));
     Tile *tiles = malloc(sizeof(Tile) * (num_tiles + 1));
-    int64_t *parts = malloc(sizeof(int64_t) * (num_tiles * (want + 1) + 1));
+    int64_t *parts = malloc(sizeof(int64_t) * (max_items + num_tiles + 1));
     int32_t *shared_tokens = malloc(sizeof(int32_t) * (num_tokens + 1));
     int64_t *shared_offset = calloc((size_t)num_groups + 1, sizeof(int64_t));
     if (!items || !tiles || !parts || !shared_tokens || !shared_offset) {
@@ -178,10 +201,15 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
         const int32_t blocks = (context_lens[b] + block_size - 1) / block_size - key_begin / block_size;
         int64_t slices = blocks / MIN_SLICE_BLOCKS;
         slices = slices < 1 ? 1 : slices > want ? want : slices;
-        const int32_t per_slice = (int32_t)((blocks + slices - 1) / slices) * block_size;
-        const int split = slices > 1 || g >= 0;
+        int32_t per_slice = (int32_t)((blocks + slices - 1) / slices) * block_size;
+        const int32_t prefix = context_lens[b] - q_len;
         for (int32_t begin = 0; begin < q_len; begin += q_tile) {
             const int32_t end = begin + q_tile < q_len ? begin + q_tile : q_len;
+            if (span > 0) { /* the spans the tile's last row reaches, from key 0 */
+                slices = (prefix + end - 1) / span + 1;
+                per_slice = span;
+            }
+            const int split = slices > 1 || g >= 0;
             Tile *t = &tiles[tile++];
             *t = (Tile){b, begin, end, (int32_t)num_parts, 0};
             if (g >= 0) /* a member has all its tokens in one tile (q_len <= cap) */

@@ -1,7 +1,9 @@
 """Paged attention on the CPU through the C kernel (``kernels/cpu/attention*.c``).
 
-The native backend splits a step's sequences (the limit is ``kernels.backend``'s
-``native_max_query``):
+In invariant steps (``kernels.invariance``, the default) the C kernel takes every
+sequence, its keys cut at the fixed spans, so a token's output is the same in a decode
+and in a prefill chunk of any length. Otherwise the native backend splits a step's
+sequences (the limit is ``kernels.backend``'s ``native_max_query``):
 
     new tokens  1 .. native_max_query   -> the C kernel, blocks read in place
     new tokens  > native_max_query      -> the torch reference's SDPA groups
@@ -20,10 +22,11 @@ import math
 import torch
 
 from kernels.attention_inputs import AttentionInputs
-from kernels.backend import native_max_query, native_takes
+from kernels.backend import NATIVE_ALL, native_max_query, native_takes
 from kernels.cpu import native
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, metadata_for
+from kernels.invariance import SPAN_TOKENS
 from kernels.validate import check_shared_strides
 
 # The kernel's query tile on its vector loops (the tile path takes 16 // G tokens).
@@ -35,12 +38,14 @@ def paged_attention_native(
     seqs: torch.Tensor,
     out: torch.Tensor,
     lib: ctypes.CDLL | None = None,
+    span: int = SPAN_TOKENS,
 ) -> None:
     """Write the attention of sequences ``seqs`` (int32 batch indices) into ``out``.
 
     ``inputs`` as ``kernels.paged_extend_attention`` takes them (already checked
     there); other sequences' rows of ``out`` are left as they are. ``lib``: a library
-    built by ``kernels.cpu.native`` (default: ``native.library()``).
+    built by ``kernels.cpu.native`` (default: ``native.library()``). ``span``: keys per
+    fixed span (invariant); 0 cuts them by the load instead.
     """
     if lib is None:
         lib = native.require()
@@ -68,6 +73,7 @@ def paged_attention_native(
         seqs.to(torch.int32).contiguous(),
         inputs.scale,
         out,
+        span,
     )
 
 
@@ -84,9 +90,12 @@ def launch_attention(
     seqs: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    span: int = SPAN_TOKENS,
+    q_tile: int = NATIVE_Q_TILE,
 ) -> None:
     """The C call alone: caches by address (K, V) and their shared (block, slot, head)
-    strides in elements; the index tensors int32 and contiguous. ``kernels.step.native_step``
+    strides in elements; the index tensors int32 and contiguous; ``span`` keys per fixed
+    span (0: slices by load); ``q_tile`` new tokens per work item. ``kernels.step.native_step``
     calls it with a step's index tensors converted once."""
     status = lib.chatsvc_paged_attention(
         query.data_ptr(),
@@ -107,7 +116,8 @@ def launch_attention(
         num_kv_heads,
         query.shape[2],
         block_size,
-        NATIVE_Q_TILE,
+        q_tile,
+        span,
         scale * math.log2(math.e),
         native.DTYPE_CODES[query.dtype],
         torch.get_num_threads(),
@@ -117,17 +127,21 @@ def launch_attention(
 
 
 def paged_extend_attention_native(
-    inputs: AttentionInputs, metadata: ExtendMetadata | None = None
+    inputs: AttentionInputs, metadata: ExtendMetadata | None = None, invariant: bool = True
 ) -> torch.Tensor:
-    """Short runs through the C kernel, long ones through the torch groups.
+    """Invariant: every run through the C kernel on fixed spans. Otherwise short runs
+    through the C kernel, long ones through the torch groups.
 
     ``metadata`` (built here when None) is ``extend_metadata`` with the native
-    routing limit (``kernels.backend.native_max_query``), shared by a step's layers.
+    routing limit (``kernels.backend``: ``NATIVE_ALL`` when invariant, else
+    ``native_max_query``), shared by a step's layers.
     """
     if metadata is None:
         query = inputs.query
-        metadata = metadata_for(inputs, native_max_query(query.dtype, query.shape[-1]))
+        limit = NATIVE_ALL if invariant else native_max_query(query.dtype, query.shape[-1])
+        metadata = metadata_for(inputs, limit)
     out = torch.empty_like(inputs.query)
-    paged_attention_native(inputs, metadata.native_seqs, out)
+    span = SPAN_TOKENS if invariant else 0
+    paged_attention_native(inputs, metadata.native_seqs, out, span=span)
     attend_groups(inputs.query, inputs.k_cache, inputs.v_cache, metadata, inputs.scale, out)
     return out

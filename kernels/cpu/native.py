@@ -235,7 +235,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, ptr,  # query_start, context_lens
         ptr, i32,  # seqs, num_seqs
         i32, i32, i32, i32,  # num_q_heads, num_kv_heads, head_dim, block_size
-        i32, ctypes.c_float, i32, i32,  # q_tile, scale * log2(e), dtype, num_threads
+        i32, i32,  # q_tile, span (0: slices by load)
+        ctypes.c_float, i32, i32,  # scale * log2(e), dtype, num_threads
     ]  # fmt: skip
     lib.chatsvc_attention_uses_tiles.restype = ctypes.c_int
     lib.chatsvc_attention_uses_tiles.argtypes = []

@@ -158,12 +158,19 @@ def test_the_backend_is_decided_in_kernels_backend(monkeypatch):
     assert isinstance(bind_step(batch, half, DIMS, backend="native"), TorchStep)
     with pytest.raises(ValueError, match="backend must be one of"):
         bind_step(batch, case.pool, DIMS, backend="cuda")
-    # The native routing limit is the one the public functions use.
+    # Invariant steps send every run to the C attention; otherwise the routing limit is
+    # the one the public functions use.
     choice = backends.choose_kernels(case.pool.device, torch.bfloat16, HEAD_DIM, "native")
-    assert choice.native_max_query == backends.native_max_query(torch.bfloat16, HEAD_DIM)
+    assert choice == ("native", backends.NATIVE_ALL, True)
+    fastest = backends.choose_kernels(
+        case.pool.device, torch.bfloat16, HEAD_DIM, "native", invariant=False
+    )
+    assert fastest.native_max_query == backends.native_max_query(torch.bfloat16, HEAD_DIM)
+    assert not fastest.invariant
     assert backends.choose_kernels(case.pool.device, torch.bfloat16, HEAD_DIM, "torch") == (
         "torch",
         0,
+        True,
     )
 
 

@@ -4,11 +4,13 @@ KV is only reusable by the exact computation that produced it, so the
 fingerprint covers everything that changes a block's bytes or their meaning:
 
     format version | model identity (name and shape) | weights digest
-    | dtype | weight layout | block size | KV layout (kv_layout's dims and their order)
+    | dtype | weight layout | kernel mode | block size | KV layout (kv_layout's dims and
+    their order)
 
 The weight layout (``kernels.linear``) names how the matrices are stored and summed:
 an fp32 model reading bf16-stored weights, or another order of the same sums, writes
-other KV bits, and a hit must answer as a miss would.
+other KV bits, and a hit must answer as a miss would. The kernel mode (invariant or
+not, ``kernels.invariance``) orders the attention's sums, so it does too.
 
 A block written under another fingerprint is never loaded: the tier keeps each
 fingerprint's files in a directory of its own, and every file's header
@@ -46,7 +48,8 @@ log = logging.getLogger(__name__)
 def model_fingerprint(
     loaded, dtype: torch.dtype, kv_shape: KVShape, seed: int, memo_path: Path | None
 ) -> bytes:
-    """16 bytes naming the model, weights, dtype, weight layout, block size and KV layout."""
+    """16 bytes naming the model, weights, dtype, weight layout, kernel mode, block size and
+    KV layout."""
     identity = {
         "format": FORMAT_VERSION,
         "name": loaded.name,
@@ -54,6 +57,8 @@ def model_fingerprint(
         "weights": weights_digest(loaded, seed, memo_path),
         "dtype": str(dtype),
         "weight_layout": loaded.model.weight_layout,
+        # Invariant kernels order their sums otherwise: other KV bits for the same tokens.
+        "invariant": loaded.model.invariant,
         "kv_shape": dataclasses.asdict(kv_shape),
         "kv_layout": KV_LAYOUT,
     }
