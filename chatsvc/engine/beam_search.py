@@ -200,9 +200,9 @@ class BeamSearch:
         are freed). Returns the one sequence to queue, holding the prompt alone.
 
         The search runs again from its first step. Nothing of it was streamed and it
-        picks deterministically, so the answer is the one it would have given (as
-        long as the model's values do not depend on the batch), and the prompt's
-        blocks come back from the prefix index.
+        picks deterministically from logits that do not depend on the batch or the
+        cache (``kernels/invariance.py``), so the answer is the one it would have
+        given; the prompt's blocks come back from the prefix index.
         """
         root = self.beams[0]
         for beam in self.beams[1:]:
