@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -241,7 +241,13 @@ class LLMEngine:
         outputs = []
         now = time.perf_counter()
         if state.beams is not None:
-            return self._end_beams(state, now, aborted=True)
+            self._drop_beams(state.beams)
+            metrics = self._metrics(state.beams.beams[0], now)
+            delta = GenerationDelta(0, [], "", "abort", metrics)
+            return [
+                StepOutput(request_id, replace(delta, index=index))
+                for index in range(state.beams.num_results)
+            ]
         for seq in state.seqs:
             if seq.is_finished:
                 continue
@@ -456,7 +462,8 @@ class LLMEngine:
         self, request_id: str, rows_of: dict[Sequence, int], logits: torch.Tensor, now: float
     ) -> list[StepOutput]:
         """One selection of a beam search from its beams' rows of ``logits``; when the
-        search ends, its answer."""
+        search ends, its answers. A failure here (non-finite logits, its text) is the
+        request's own."""
         state = self._requests.get(request_id)
         if state is None:
             return []  # failed earlier in this step
@@ -466,11 +473,13 @@ class LLMEngine:
             # Every beam decoded in this step (the scheduler runs them together).
             index = torch.tensor([rows_of[beam] for beam in search.beams], device=logits.device)
             picks = search.select(logits.index_select(0, index))
+            answers = self._beam_answers(state, now) if search.done else []
         except Exception as error:  # noqa: BLE001 - this request's own failure
             return self._fail_internal(request_id, "beam search", error)
         if search.done:
-            self._requests.pop(request_id)
-            return self._end_beams(state, now)
+            del self._requests[request_id]
+            self._drop_beams(search)
+            return answers
         if first:
             # The prompt's blocks are indexed; the beams' own die with them.
             self.cache.stop_indexing(search.beams[0].seq_id)
@@ -482,44 +491,29 @@ class LLMEngine:
         beam.status = SequenceStatus.FINISHED
         self.forgotten.finished(beam)
 
-    def _end_beams(
-        self, state: _RequestState, now: float, aborted: bool = False
-    ) -> list[StepOutput]:
-        """Free a finished (or aborted) search's beams; one final delta per answer index.
-
-        Called once the request left ``_requests``. An answer's text is its tokens'
-        text as a streamed sample would have had it (a stop token adds none).
-        """
-        search = state.beams
-        beams = list(search.beams)
-        for beam in beams:
+    def _drop_beams(self, search: BeamSearch) -> None:
+        for beam in search.beams:
             if not beam.is_finished:
                 self._drop_beam(beam)
-        request_id = state.request.request_id
-        if aborted:
-            metrics = self._metrics(beams[0], now)
-            return [
-                StepOutput(request_id, GenerationDelta(i, [], "", "abort", metrics))
-                for i in range(search.num_results)
-            ]
-        for beam in beams:  # a search that ended at its first step
-            if beam.first_token_time is None:
-                beam.first_token_time = beam.last_token_time = now
+
+    def _beam_answers(self, state: _RequestState, now: float) -> list[StepOutput]:
+        """A finished search's ``n`` best hypotheses, one final delta each, best first; the
+        text as a streamed answer's would be (a stop token adds none)."""
+        beam = state.beams.beams[0]
+        if beam.first_token_time is None:  # the search ended at its first step
+            beam.first_token_time = beam.last_token_time = now
+        stop = state.stop_token_ids
         outputs = []
-        for index, answer in enumerate(search.results()):
-            text = self._answer_text(state, answer.token_ids)
-            metrics = self._metrics(beams[0], now, len(answer.token_ids))
+        for index, answer in enumerate(state.beams.results()):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, state.request.prompt_token_ids)
+            text = "".join(detokenizer.add_token(t) for t in answer.token_ids if t not in stop)
+            text += detokenizer.flush()
+            metrics = self._metrics(beam, now, len(answer.token_ids))
             delta = GenerationDelta(
                 index, list(answer.token_ids), text, answer.finish_reason, metrics
             )
-            outputs.append(StepOutput(request_id, delta))
+            outputs.append(StepOutput(state.request.request_id, delta))
         return outputs
-
-    def _answer_text(self, state: _RequestState, token_ids: tuple[int, ...]) -> str:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, state.request.prompt_token_ids)
-        stop = state.stop_token_ids
-        text = "".join(detokenizer.add_token(token) for token in token_ids if token not in stop)
-        return text + detokenizer.flush()
 
     def _append_token(
         self, seq: Sequence, token: int, now: float, score: TokenLogprob | None = None

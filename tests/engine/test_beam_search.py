@@ -307,3 +307,31 @@ def test_a_failing_search_fails_alone(smollm2_fp32, monkeypatch):
     assert isinstance(errors.pop("b"), EngineInternalError) and not errors
     assert tokens == alone
     assert engine.cache_stats()["device"]["used"] == 0
+
+
+def test_a_search_whose_answer_cannot_be_detokenized_fails_alone(smollm2_fp32, monkeypatch):
+    import chatsvc.engine.engine as engine_module
+
+    engine = make_engine(smollm2_fp32, debug_checks=False)
+    alone = run(engine, [greedy("g", prompt(engine, QUESTIONS[2]), 6)])[("g", 0)].token_ids
+    engine.add_request(greedy("g", prompt(engine, QUESTIONS[2]), 6))  # its text: as before
+
+    class Broken(engine_module.IncrementalDetokenizer):
+        def add_token(self, token_id: int) -> str:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    monkeypatch.setattr(engine_module, "IncrementalDetokenizer", Broken)
+    engine.add_request(beams("b", prompt(engine, QUESTIONS[1]), 2, 4))
+    errors, tokens = {}, []
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.error is not None:
+                errors[out.request_id] = out.error
+            else:
+                tokens += out.delta.token_ids
+    error = errors.pop("b")
+    assert isinstance(error, EngineInternalError) and "beam search" in str(error)
+    assert isinstance(error.__cause__, UnicodeDecodeError) and not errors
+    assert tokens == alone
+    assert engine.cache_stats()["device"]["used"] == 0
+    engine.check_integrity()
