@@ -17,11 +17,14 @@ in four ways, one request at a time on one engine, interleaved round by round:
   max_new_tokens=T)`` on the same weights and dtype.
 
 Every request of every round runs under a tenant of its own, so each computes the
-whole prompt (no variant finds another's blocks cached). Prints the median wall
-time of each (prompt included), the blocks held at the peak (sampled after every
+whole prompt (no variant finds another's blocks cached). Prints each round's times,
+then the median wall time of each (prompt included), the median time of a decode
+step (after the first token), the blocks held at the peak (sampled after every
 step) beside the bound ``prompt blocks + W x answer blocks + W`` and the
 independent requests' peak, and the issue's targets: beams within 1.5x of greedy's
-time, at least 3x faster than transformers, peak at most the bound.
+time, at least 3x faster than transformers (each the median of the rounds' ratios,
+which holds when the machine's speed drifts from round to round), peak at most the
+bound.
 """
 
 from __future__ import annotations
@@ -147,10 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     beams = SamplingParams(answer, 0.0, beam_width=width, ignore_eos=True)
     greedy = SamplingParams(answer, 0.0, ignore_eos=True)
+    # Greedy and beams side by side: their ratio within a round is the figure that holds
+    # when the machine's speed drifts.
     variants = {
+        "greedy": lambda: runner.run(greedy),
         "beams": lambda: runner.run(beams),
         "independent": lambda: runner.run(greedy, count=width),
-        "greedy": lambda: runner.run(greedy),
     }
     if hf is not None:
         variants["transformers"] = lambda: (transformers_run(hf, prompt, width, answer), 0, None)
@@ -182,16 +187,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<14} {seconds:>8.2f}   {peak}   {step}")
     print(f"bound: prompt {math.ceil(len(prompt) / bs)} + {width} x answer "
           f"{math.ceil(answer / bs)} + {width} = {bound} blocks")  # fmt: skip
-    beam_s = medians["beams"]
+    # Per round, then the median: robust to a machine whose speed drifts between rounds.
+    slower = statistics.median(b / g for b, g in zip(times["beams"], times["greedy"], strict=True))
     checks = [
-        (f"beams / greedy time {beam_s / medians['greedy']:.2f}x (target <= 1.5x)",
-         beam_s <= 1.5 * medians["greedy"]),
+        (f"beams / greedy time {slower:.2f}x, median of the rounds' ratios (target <= 1.5x)",
+         slower <= 1.5),
         (f"beams peak {peaks['beams']} blocks <= bound {bound}; independent "
          f"{peaks['independent']}", peaks["beams"] <= bound),
     ]  # fmt: skip
     if "transformers" in medians:
-        speedup = medians["transformers"] / beam_s
-        checks.append((f"transformers / beams time {speedup:.2f}x (target >= 3x)", speedup >= 3))
+        pairs = zip(times["transformers"], times["beams"], strict=True)
+        speedup = statistics.median(t / b for t, b in pairs)
+        checks.append(
+            (f"transformers / beams time {speedup:.2f}x, median of the rounds' ratios "
+             "(target >= 3x)", speedup >= 3)
+        )  # fmt: skip
     for line, met in checks:
         print(f"{'met   ' if met else 'MISSED'} {line}")
     return 0
