@@ -3,7 +3,8 @@
 #   1. python -m bench.gpu_checks: Triton kernels vs the torch references on the
 #      device, a greedy fp32 conversation on CUDA vs the CPU engine, host-tier
 #      swaps (pinned memory, swap stream) with unchanged greedy tokens, and a
-#      restart served from the disk tier through pinned staging;
+#      restart served from the disk tier through pinned staging (the warm-up's
+#      disk load, the preload into pinned memory, the turn's loads from it);
 #   2. python -m bench.kernels: the paged-attention bandwidth table (record it
 #      in docs/kernels.md).
 # Without a CUDA device it says so and exits 0. Exit status: failed checks.

@@ -10,8 +10,10 @@
 3. host swaps   a device pool too small for the conversations, with a pinned host
                 tier: blocks swap out and back (on the swap stream) and the
                 greedy tokens equal a pool that holds everything
-4. disk tier    a restart on the device: the next turn comes from disk files
-                (through the pinned staging buffer) with the same greedy tokens
+4. disk tier    a restart on the device: the warm-up's disk load (a scratch block
+                through the pinned staging buffer and back into the pool), the
+                preload (the files read into pinned memory while idle), and the
+                next turn's blocks from it with the same greedy tokens
 
 Each check prints one line, PASS or FAIL with the reason; the exit status is
 the number of failures. ``--device cpu`` runs 2-4 on the CPU (1 needs CUDA),
@@ -225,17 +227,32 @@ def check_disk_tier(models: Models, args) -> str:
         got, _, history = conversation(first, args.turns, args.max_tokens)
         first.close()
         second = models.engine(models.device, kv_disk_dir=kv_dir)
+        probe = second.disk_tier.warm_up_load(60.0)
+        planned = second.start_preload()
+        deadline = time.monotonic() + 60
+        while second.has_unapplied_io and time.monotonic() < deadline:
+            second.apply_io(0.05)
         last, metrics, _ = conversation(
             second, 1, args.max_tokens, history=history, start=args.turns
         )
         disk = metrics[0].cached_tokens_by_tier["disk"]
+        preload = second.cache_stats()["disk"]["preload"]
+        block_size = second.config.block_size
         second.check_integrity()
         second.close()
     if got + last != expected:
         raise AssertionError("greedy tokens after the restart differ from the uncached run")
     if disk == 0:
         raise AssertionError("the turn after the restart had no disk hit")
-    return f"PASS (turn after the restart: {disk} tokens from disk, greedy equal)"
+    if probe != "ok":
+        raise AssertionError(f"the warm-up's disk load failed: {probe}")
+    from_preload = preload["used_blocks"] * block_size
+    if not planned or preload["read_blocks"] != planned or from_preload != disk:
+        raise AssertionError(f"the turn's disk blocks did not all come from the preload: {preload}")
+    return (
+        f"PASS (warm-up disk load ok; preload {planned} blocks; turn after the restart: "
+        f"{disk} tokens from disk, all preloaded, greedy equal)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from bench.model_step import interleaved_medians
 from kernels.cpu.narrow_linear import narrow_linear_available
+from kernels.cpu.pair_linear import pair_linear_available
 from kernels.cpu.tile_linear import tile_linear_available
 from kernels.linear import LINEARS, can_prepack
 
@@ -33,7 +34,14 @@ MATRICES = [(QKV, HIDDEN, False), (HIDDEN, HIDDEN, True), (2 * INTERMEDIATE, HID
 
 
 # Bytes per weight each layout reads, by the model's dtype.
-WEIGHT_BYTES = {"plain": None, "onednn": None, "tiles": 2, "bf16_blocks": 2, "int8_blocks": 1}
+WEIGHT_BYTES = {
+    "plain": None,
+    "onednn": None,
+    "tiles": 2,
+    "pair_blocks": 2,
+    "bf16_blocks": 2,
+    "int8_blocks": 1,
+}
 
 
 def layout_fns(
@@ -66,6 +74,8 @@ def layout_fns(
         fns["onednn"] = run("onednn")
     if tile_linear_available("cpu", dtype):
         fns["tiles"] = run("tiles")
+    if pair_linear_available("cpu", dtype):
+        fns["pair_blocks"] = run("pair_blocks")
     if narrow_linear_available("cpu", dtype):
         fns["bf16_blocks"] = run("bf16_blocks")
         fns["int8_blocks"] = run("int8_blocks")
@@ -90,7 +100,7 @@ def main() -> None:
             megabytes = weights * (WEIGHT_BYTES[name] or dtype.itemsize) / 1e6
             parts.append(f"{name} {t:6.2f} ms ({megabytes / t:5.1f} GB/s)")
         line = f"rows {rows:>4}: " + " | ".join(parts)
-        for fast in ("tiles", "bf16_blocks", "int8_blocks"):
+        for fast in ("tiles", "pair_blocks", "bf16_blocks", "int8_blocks"):
             if fast in ms and "onednn" in ms:
                 line += f" | {fast} / onednn {ms[fast] / ms['onednn']:.2f}"
         print(line, flush=True)

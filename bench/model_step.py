@@ -1,7 +1,7 @@
 """Decode-step and prefill time of our forward pass vs transformers' own, same model and input.
 
     .venv/bin/python -m bench.model_step [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
-        [--compare-backends] [--weight-dtypes fp32,bf16,int8]
+        [--compare-backends] [--weight-dtypes fp32,bf16,int8] [--compare-invariant]
 
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
@@ -17,6 +17,11 @@ the layout ``CHATSVC_WEIGHT_DTYPE`` would give it (fp32: oneDNN, bf16 and int8: 
 narrow blocks), and prints what a decode step reads (the matrices in their layout and
 the context's KV) against the machine's read bandwidth, measured in the same rounds
 (a sum over 512 MiB, interleaved with the steps): that time is the step's floor.
+
+``--compare-invariant`` times the default model twice, with invariant kernels (the
+default, ``kernels.invariance``) and with the fastest kernels per step shape
+(``CHATSVC_INVARIANT=0``, the kernels before invariance), side by side: decodes, a new
+turn of ``--extend`` tokens over the context, and the prefill.
 """
 
 from __future__ import annotations
@@ -122,6 +127,23 @@ def ours_prefill(loaded: LoadedModel, length: int) -> Callable[[], object]:
     return lambda: model.forward(batch, pool)
 
 
+def ours_extend(loaded: LoadedModel, length: int, context: int) -> Callable[[], object]:
+    """A new turn: ``length`` new tokens over ``context`` cached ones (re-run in place)."""
+    model, bs = loaded.model, BLOCK_SIZE
+    total = context + length
+    num_blocks = -(-total // bs)
+    pool = new_kv_pool(num_blocks, model.kv_shape(bs), model.dtype, "cpu")
+    tokens = _prompts(1, total)[0].tolist()
+    table = [list(range(num_blocks))]
+    model.forward(
+        ForwardBatch.from_lists([tokens[:context]], [0], [list(range(context))], table, bs), pool
+    )
+    step = ForwardBatch.from_lists(
+        [tokens[context:]], [context], [list(range(context, total))], table, bs
+    )
+    return lambda: model.forward(step, pool)
+
+
 def matrix_bytes(weight) -> int:
     """Bytes of one matrix as a step reads it: its layout's storage, scales included."""
     if isinstance(weight, NarrowWeight):
@@ -210,6 +232,12 @@ def main() -> None:
         "(CHATSVC_KERNEL_BACKEND=torch) beside the default (native on CPU)",
     )
     parser.add_argument(
+        "--compare-invariant",
+        action="store_true",
+        help="invariant kernels (the default) beside the fastest per step shape",
+    )
+    parser.add_argument("--extend", type=int, default=32, help="new tokens of the extend step")
+    parser.add_argument(
         "--weight-dtypes",
         default="",
         help="comma-separated weight dtypes of an fp32 model (fp32,bf16,int8): one model "
@@ -220,6 +248,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.weight_dtypes:
         weight_dtypes_main(args)
+        return
+    if args.compare_invariant:
+        invariant_main(args)
         return
 
     plain = load_model("smollm2", dtype=args.dtype, prepack_weights=False)
@@ -271,6 +302,39 @@ def main() -> None:
             f"{name} {t:6.1f} ms ({args.prefill / t * 1e3:5.0f} tok/s)" for name, t in ms.items()
         )
         print(line, flush=True)
+
+
+def invariant_main(args) -> None:
+    """The default model with invariant kernels and with the fastest ones, interleaved."""
+    models = {
+        "invariant": load_model("smollm2", dtype=args.dtype, invariant=True),
+        "fastest": load_model("smollm2", dtype=args.dtype, invariant=False),
+    }
+    first = models["invariant"]
+    print(
+        f"model {first.name}, dtype {first.model.dtype}, threads {torch.get_num_threads()}, "
+        + ", ".join(f"{n}: {m.model.weight_layout} weights" for n, m in models.items())
+    )
+
+    def timed(label: str, fns: dict[str, Callable[[], object]], tokens: int, steps: int) -> None:
+        ms = interleaved_medians(fns, steps)
+        ratio = ms["invariant"] / ms["fastest"]
+        print(
+            f"{label}: "
+            + " | ".join(f"{n} {t:7.1f} ms ({tokens / t * 1e3:6.0f} tok/s)" for n, t in ms.items())
+            + f" | invariant/fastest {ratio:.3f}",
+            flush=True,
+        )
+
+    for batch in (int(b) for b in args.batches.split(",")):
+        fns = {n: ours_decode(m, batch, args.context) for n, m in models.items()}
+        timed(f"decode B={batch} ctx={args.context}", fns, batch, args.steps)
+    if args.extend:
+        fns = {n: ours_extend(m, args.extend, args.context) for n, m in models.items()}
+        timed(f"extend {args.extend} after {args.context}", fns, args.extend, args.steps)
+    if args.prefill:
+        fns = {n: ours_prefill(m, args.prefill) for n, m in models.items()}
+        timed(f"prefill {args.prefill}", fns, args.prefill, max(5, args.steps // 3))
 
 
 def weight_dtypes_main(args) -> None:

@@ -39,6 +39,8 @@ import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from .hashing import ROOT_HASH
+
 SESSION, SHARED = 0, 1  # eviction classes: lower goes first
 
 
@@ -135,6 +137,31 @@ class DiskIndex:
         """Whether the block ``hash_`` is on disk under ``parent_hash``."""
         entry = self.entries.get(hash_)
         return entry is not None and entry.parent_hash == parent_hash
+
+    def recent_chains(self, max_blocks: int) -> list[DiskEntry]:
+        """At most ``max_blocks`` blocks of the most recently used chains: each chain
+        from the root down to its most recent block, root first, most recent chain
+        first (the blocks a restart's next turns ask for). Chains with a block
+        missing on the way to the root are left out: a prompt's match reaches no
+        block below the gap. Changes nothing."""
+        chosen: dict[bytes, DiskEntry] = {}
+        broken: set[bytes] = set()
+        for entry in sorted(self.entries.values(), key=lambda e: e.last_access, reverse=True):
+            if len(chosen) >= max_blocks:
+                break
+            chain = []
+            hash_ = entry.hash
+            while hash_ != ROOT_HASH and hash_ not in chosen:
+                found = self.entries.get(hash_)
+                if found is None or hash_ in broken:
+                    broken.update(e.hash for e in chain)
+                    chain = []
+                    break
+                chain.append(found)
+                hash_ = found.parent_hash
+            for found in reversed(chain[-(max_blocks - len(chosen)) :] if chain else ()):
+                chosen[found.hash] = found
+        return list(chosen.values())
 
     # -- writes -------------------------------------------------------------------
 

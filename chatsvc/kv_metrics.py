@@ -12,6 +12,9 @@ than incremented here:
         corrupt | foreign | budget | queue_full | write_error
     chatsvc_kv_load_latency_seconds{tier="disk"}   histogram, queue to verified
     chatsvc_kv_disk_used_bytes, chatsvc_kv_disk_budget_bytes   gauges
+    chatsvc_kv_disk_preload_blocks_total{outcome}
+        the preload after a restart: blocks read into memory, used by loads, dropped
+        unused (their loads count among the disk tier's loads too)
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ class TierTrafficCollector:
         )
         used = GaugeMetricFamily("chatsvc_kv_disk_used_bytes", "Bytes the disk KV tier holds")
         budget = GaugeMetricFamily("chatsvc_kv_disk_budget_bytes", "The disk KV tier's budget")
+        preload = CounterMetricFamily(
+            "chatsvc_kv_disk_preload_blocks",
+            "KV blocks the preload after a restart read into memory, that loads used, "
+            "and that it dropped unused",
+            labels=["outcome"],
+        )
         if stats:
             swapped_in = int(stats.get("swapped_in_blocks", 0))
             swapped_out = int(stats.get("swapped_out_blocks", 0))
@@ -84,5 +93,8 @@ class TierTrafficCollector:
             latency.add_metric(["disk"], list(hist["buckets"].items()), hist["sum"])
             used.add_metric([], disk["used_bytes"])
             budget.add_metric([], disk["budget_bytes"])
+        if "preload" in disk:
+            for outcome in ("read", "used", "dropped"):
+                preload.add_metric([outcome], disk["preload"][f"{outcome}_blocks"])
         traffic = [loads_blocks, loads_bytes, stores_blocks, stores_bytes, dropped]
-        return [*traffic, latency, used, budget]
+        return [*traffic, latency, used, budget, preload]

@@ -17,6 +17,7 @@ not). The environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default o
         many new tokens of a sequence its C attention takes (longer runs go to the
         torch groups)
     tile_linears_available(device, dtype)         -> bf16 linears on the tile unit
+    pair_linears_available(device, dtype)         -> bf16 linears on AVX512-BF16 dot pairs
     narrow_linears_available(device, dtype)       -> fp32 linears, bf16/int8 weights (AVX2)
 
 ``"native"`` runs the C kernels (``kernels/cpu/*.c``) where they take the tensors
@@ -38,6 +39,7 @@ import torch
 
 from kernels.cpu import native
 from kernels.cpu.narrow_linear import narrow_linear_available
+from kernels.cpu.pair_linear import pair_linear_available
 from kernels.cpu.tile_linear import tile_linear_available
 
 BACKENDS = ("auto", "torch", "native", "triton")
@@ -136,6 +138,15 @@ def tile_linears_available(
     backend, bf16, and a library built with AMX."""
     device = torch.device(device)
     return resolve_backend(backend, device) == "native" and tile_linear_available(device, dtype)
+
+
+def pair_linears_available(
+    device: torch.device | str, dtype: torch.dtype, backend: str | None = None
+) -> bool:
+    """Whether a bf16 model's linears may run on AVX512-BF16 dot pairs
+    (``kernels.cpu.pair_linear``): the native backend, bf16, a library built with it."""
+    device = torch.device(device)
+    return resolve_backend(backend, device) == "native" and pair_linear_available(device, dtype)
 
 
 def narrow_linears_available(

@@ -4,14 +4,29 @@
     plain        the ``[out, in]`` matrices as loaded    F.linear, addmm
     onednn       prepacked in oneDNN's blocked layout    torch's oneDNN linears (CPU, fp32/bf16)
     tiles        packed for the CPU's tile unit (AMX)    ``kernels.cpu.tile_linear`` (bf16, native)
-    bf16_blocks  bf16 in 16-column blocks, fp32 model    ``kernels.cpu.narrow_linear`` (AVX2)
+    pair_blocks  bf16 input pairs in 16-column blocks    ``kernels.cpu.pair_linear`` (bf16,
+                                                         AVX512-BF16 without a tile unit)
+    bf16_blocks  bf16 in 16-column blocks               ``kernels.cpu.narrow_linear`` (AVX2; a
+                                                         bf16 model's rows summed in fp32)
     int8_blocks  int8 + a scale per row, fp32 model     ``kernels.cpu.narrow_linear`` (AVX2)
+    fp32_blocks  fp32 in 16-column blocks, fp32 model   ``kernels.cpu.narrow_linear`` (AVX2)
+    chunked      the matrices as loaded                  torch matmuls of fixed 16-row chunks
 
 A model picks its layout once, at load (``choose_layout``), packs its matrices with
 that variant's ``pack`` and runs every projection through its ``linear`` /
 ``linear_add`` (the residual add fused into the matmul). Whether the native linears
 may run is the kernels' decision (``kernels.backend.tile_linears_available``,
-``kernels.backend.narrow_linears_available``).
+``kernels.backend.pair_linears_available``, ``kernels.backend.narrow_linears_available``).
+
+Invariance (``kernels.invariance``): a row's output must not depend on how many rows the
+step has. torch's own matmuls change their summation order with the row count (a single
+row takes a matrix-vector path; other counts other blockings), so an invariant model
+never uses ``plain`` or ``onednn``: tiles, the pair and narrow blocks and ``chunked`` sum
+each row the same way whatever the step (tiles: the tile unit's fixed order per 32-deep
+step; pair blocks: one dot-pair step per two inputs in order; the narrow blocks: one FMA
+per input in order; ``chunked``: every matmul call has one shape,
+16 rows, padded, which measured bit-identical rows at every position, chunk count and
+thread count).
 """
 
 from __future__ import annotations
@@ -23,13 +38,35 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import narrow_linears_available, tile_linears_available
-from kernels.cpu.narrow_linear import NarrowWeight, pack_bf16_weight, pack_int8_weight
+from kernels.backend import (
+    narrow_linears_available,
+    pair_linears_available,
+    tile_linears_available,
+)
+from kernels.cpu.narrow_linear import (
+    NarrowWeight,
+    pack_bf16_weight,
+    pack_fp32_weight,
+    pack_int8_weight,
+)
 from kernels.cpu.narrow_linear import narrow_linear as _narrow_linear
+from kernels.cpu.pair_linear import PairWeight, pack_pair_weight
+from kernels.cpu.pair_linear import pair_linear as _pair_linear
 from kernels.cpu.tile_linear import TileWeight, pack_tile_weight
 from kernels.cpu.tile_linear import tile_linear as _tile_linear
 
-WEIGHT_LAYOUTS = ("tiles", "bf16_blocks", "int8_blocks", "onednn", "plain")
+WEIGHT_LAYOUTS = (
+    "tiles",
+    "pair_blocks",
+    "bf16_blocks",
+    "int8_blocks",
+    "fp32_blocks",
+    "onednn",
+    "chunked",
+    "plain",
+)
+# Rows of each matmul the chunked layout makes: every call has this shape.
+CHUNK_ROWS = 16
 
 
 class Linears(NamedTuple):
@@ -69,27 +106,34 @@ def choose_layout(
     dtype: torch.dtype,
     weight_dtype: str | None = None,
     exact_in_bf16: Callable[[], bool] = lambda: False,
+    invariant: bool = True,
 ) -> str:
-    """A model's ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``: a layout by name, True
-    or None = the first of tiles, bf16_blocks and onednn available here (None: plain
-    where none is), False = plain.
+    """A model's ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``: a layout by name, False
+    = plain, True or None = the best available here: tiles, then pair_blocks (bf16), then
+    (an fp32 model whose weights bf16 holds) bf16_blocks, then for an ``invariant`` model
+    the narrow blocks of its dtype (bf16_blocks, fp32_blocks) or else chunked; for a model
+    that need not be invariant onednn, else (None) plain.
 
     ``weight_dtype`` (``WEIGHT_DTYPES``; None = "auto") is what an fp32 model stores its
     matrices in: "auto" takes bf16_blocks only where the weights are ``exact_in_bf16()``
     (a bf16 checkpoint: the model is unchanged, read in half the bytes), "bf16" rounds
     any weights to bf16 (bf16_blocks), "int8" quantizes them (int8_blocks), "fp32"
     keeps them. A bf16 model keeps bf16 weights; "int8" and "fp32" are refused there.
-    Raises ``ValueError`` for a layout or weight dtype not available here."""
+    A layout asked for by name is taken as asked, invariant or not. Raises
+    ``ValueError`` for a layout or weight dtype not available here."""
     weight_dtype = weight_dtype or "auto"
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
     if weight_dtype in ("fp32", "int8") and dtype != torch.float32:
         raise ValueError(f"{weight_dtype} weights run in an fp32 model (dtype fp32), not {dtype}")
     tiles = tile_linears_available(device, dtype)
+    pairs = pair_linears_available(device, dtype)
     narrow = narrow_linears_available(device, dtype)
     onednn = can_prepack(device, dtype)
-    available = {"tiles": tiles, "onednn": onednn, "plain": True}
-    available |= {layout: narrow for layout in NARROW_LAYOUTS.values()}
+    fp32_narrow = narrow and dtype == torch.float32
+    available = {"tiles": tiles, "pair_blocks": pairs, "onednn": onednn, "plain": True}
+    available["chunked"] = True
+    available |= {"bf16_blocks": narrow, "int8_blocks": fp32_narrow, "fp32_blocks": fp32_narrow}
     if dtype == torch.float32 and weight_dtype in NARROW_LAYOUTS:
         forced = NARROW_LAYOUTS[weight_dtype]
         if choice not in (None, True, forced):
@@ -105,8 +149,14 @@ def choose_layout(
     if choice is None or choice is True:
         if tiles:
             return "tiles"
-        if narrow and weight_dtype == "auto" and exact_in_bf16():
+        if pairs:
+            return "pair_blocks"
+        if fp32_narrow and weight_dtype == "auto" and exact_in_bf16():
             return "bf16_blocks"
+        if invariant:
+            if narrow:
+                return "fp32_blocks" if dtype == torch.float32 else "bf16_blocks"
+            return "chunked"
         if onednn:
             return "onednn"
         if choice is None:
@@ -166,14 +216,54 @@ def tile_linear_add(x: torch.Tensor, weight: TileWeight, residual: torch.Tensor)
     return _tile_linear(x, weight, None, residual)
 
 
+def pair_linear(x: torch.Tensor, weight: PairWeight, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.pair_linear.pack_pair_weight``."""
+    return _pair_linear(x, weight, bias)
+
+
+def pair_linear_add(x: torch.Tensor, weight: PairWeight, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one call, a pair-packed weight."""
+    return _pair_linear(x, weight, None, residual)
+
+
 def narrow_linear(x: torch.Tensor, weight: NarrowWeight, bias: torch.Tensor | None = None):
-    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.narrow_linear``'s packers."""
+    """``x @ weight^T + bias`` with a weight from ``kernels.cpu.narrow_linear``'s packers; a
+    bf16 ``x`` (a bf16 model) is summed in fp32 and the result rounded once, as the tile
+    linears round."""
+    if x.dtype == torch.bfloat16:
+        wide_bias = None if bias is None else bias.float()
+        return _narrow_linear(x.float(), weight, wide_bias).to(torch.bfloat16)
     return _narrow_linear(x, weight, bias)
 
 
 def narrow_linear_add(x: torch.Tensor, weight: NarrowWeight, residual: torch.Tensor):
-    """``residual + x @ weight^T`` in one call, a narrow-stored weight."""
+    """``residual + x @ weight^T`` in one call, a narrow-stored weight (bf16 as above)."""
+    if x.dtype == torch.bfloat16:
+        return _narrow_linear(x.float(), weight, None, residual.float()).to(torch.bfloat16)
     return _narrow_linear(x, weight, None, residual)
+
+
+def _chunked_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` as one batched matmul of ``CHUNK_ROWS``-row chunks (the last padded
+    with zeros), so every product torch computes has the same shape."""
+    rows, k = x.shape
+    pad = -rows % CHUNK_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, k)])
+    chunks = x.view(-1, CHUNK_ROWS, k)  # [C, 16, K]
+    out = torch.bmm(chunks, weight.t().expand(chunks.shape[0], k, weight.shape[0]))
+    return out.view(-1, weight.shape[0])[:rows]
+
+
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias``, each row summed the same way whatever the row count."""
+    out = _chunked_matmul(x, weight)
+    return out if bias is None else out + bias
+
+
+def chunked_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
+    """``residual + x @ weight^T``, each row summed the same way whatever the row count."""
+    return residual + _chunked_matmul(x, weight)
 
 
 def _plain(weight: torch.Tensor) -> torch.Tensor:
@@ -184,6 +274,9 @@ LINEARS = {
     "plain": Linears("plain", _plain, linear, linear_add),
     "onednn": Linears("onednn", prepack, packed_linear, packed_linear_add),
     "tiles": Linears("tiles", pack_tile_weight, tile_linear, tile_linear_add),
+    "pair_blocks": Linears("pair_blocks", pack_pair_weight, pair_linear, pair_linear_add),
     "bf16_blocks": Linears("bf16_blocks", pack_bf16_weight, narrow_linear, narrow_linear_add),
     "int8_blocks": Linears("int8_blocks", pack_int8_weight, narrow_linear, narrow_linear_add),
+    "fp32_blocks": Linears("fp32_blocks", pack_fp32_weight, narrow_linear, narrow_linear_add),
+    "chunked": Linears("chunked", _plain, chunked_linear, chunked_linear_add),
 }

@@ -10,10 +10,12 @@ left out of the figures, the disk index rebuild is in them (it runs at start).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cache import Namespace
 from chatsvc.engine import AsyncEngine, EngineConfig
@@ -150,6 +152,31 @@ async def settle(engine: AsyncEngine) -> None:
         if not disk.get("queued_jobs") and not disk.get("writing"):
             return
         await asyncio.sleep(0.05)
+
+
+def snapshot(src: Path, dst: Path) -> int:
+    """Hard-link every block file (they are written once, never changed in place)."""
+    count = 0
+    for path in src.rglob("*.kv"):
+        target = dst / path.relative_to(src)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.link(path, target)
+        count += 1
+    for directory in [dst, *dst.rglob("*")]:
+        if directory.is_dir():
+            directory.chmod(0o700)
+    return count
+
+
+async def preloaded(engine, timeout_s: float = 600.0) -> dict:
+    """Wait until the engine's preload ended (it reads while the engine is idle); its
+    statistics."""
+    deadline = time.perf_counter() + timeout_s
+    while (preload := engine.cache_stats()["disk"].get("preload", {})).get("state") == "running":
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"the preload did not end in {timeout_s:.0f} s: {preload}")
+        await asyncio.sleep(0.02)
+    return preload
 
 
 def add_common_args(parser) -> None:

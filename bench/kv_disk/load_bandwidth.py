@@ -33,7 +33,8 @@ from chatsvc.engine.dtype import resolve_dtype
 from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock, block_bytes
 from chatsvc.engine.kv_disk.directory import TierDirectory
 from chatsvc.engine.kv_disk.fileformat import OK, BlockMeta, header_len
-from chatsvc.engine.kv_disk.jobs import LoadJob, PrefetchJob, WriteJob
+from chatsvc.engine.kv_disk.jobs import PrefetchJob, WriteJob
+from chatsvc.engine.kv_disk.load_job import LoadJob
 from chatsvc.engine.kv_disk.worker import IOWorker
 from chatsvc.engine.loader import read_config
 from chatsvc.engine.weights_gguf import ensure_default_model

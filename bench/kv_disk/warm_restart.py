@@ -22,28 +22,34 @@ checks that every history lies in ``--min-history``..``--max-history`` tokens. T
 
     (a) no restart: the same engine, its memory tiers warm
     (b) restart, disk tier off: a new engine, the whole history recomputed
-    (c) restart, disk tier on: a new engine on the files phase 1 left
+    (c) restart, disk tier on: a new engine on the files phase 1 left, its
+        preload off (``CHATSVC_KV_DISK_PRELOAD_BYTES=0``): the turn sent as soon
+        as the engine is warmed up, its blocks loaded from their files
+    (d) restart, preloaded: the same, with the preload on (``--preload-bytes``,
+        default the service's): the turn sent once the preload ended (sessions
+        coming back a few seconds after the restart), its blocks loaded from memory
 
 each with the requests arriving all at once (the turn's TTFT is then mostly
 queueing behind the other sessions' new tokens) and, with ``--arrival both``
 (the default), again one at a time (each once the previous answer ended: the
 TTFT of one returning user), asking another question of the same histories.
-Every (c) runs on its own hard-linked snapshot of the directory taken just before
-the (a) run it is compared with (so both start from the same blocks), and every (b)
-on a new engine, so no (b) or (c) run's blocks help another. ``--repeat N`` runs
-every (a) and (c) N times, each repeat asking other questions of the same histories
+``--preload off|on|both`` (default both) picks (c), (d) or both. Every (c) and (d)
+runs on its own hard-linked snapshot of the directory taken just before the (a) run
+it is compared with (so all start from the same blocks), and every (b) on a new
+engine, so no (b), (c) or (d) run's blocks help another. ``--repeat N`` runs every
+(a), (c) and (d) N times, each repeat asking other questions of the same histories
 (one (b) run: it is the recompute bound, not the target): the at-once ratio moves by
 up to 0.45x between single runs on two cores, so the medians are the figure. Prints
 TTFT p50/p90 of that turn per run, the ratios against the targets (c within
 1.5x of (a), at least 5x under (b); issue 31's "ready means warm": c within 1.3x
-of (a) for every shape), and where (c)'s cached tokens came from.
+of (a) for every shape), where (c)'s and (d)'s cached tokens came from, and the
+preload's blocks and time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import tempfile
 import time
@@ -55,8 +61,10 @@ from bench.kv_disk.common import (
     new_conversations,
     p50,
     percentile,
+    preloaded,
     run_turn,
     settle,
+    snapshot,
     started,
     started_timed,
 )
@@ -77,20 +85,6 @@ SHAPES = {
 }
 
 
-def snapshot(src: Path, dst: Path) -> int:
-    """Hard-link every block file (they are written once, never changed in place)."""
-    count = 0
-    for path in src.rglob("*.kv"):
-        target = dst / path.relative_to(src)
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.link(path, target)
-        count += 1
-    for directory in [dst, *dst.rglob("*")]:
-        if directory.is_dir():
-            directory.chmod(0o700)
-    return count
-
-
 async def last_turn(engine, convs, turn, args, tag, paced: bool, repeat: int = 0) -> list[dict]:
     """Turn ``turn`` of every session: all sent at once, or (``paced``) one after another
     (each once the previous answer ended), each (paced, repeat) asking its own question
@@ -108,19 +102,29 @@ async def last_turn(engine, convs, turn, args, tag, paced: bool, repeat: int = 0
     return rows
 
 
+NAMES = {
+    "a": "(a) no restart",
+    "b": "(b) restart, disk tier off",
+    "c": "(c) restart, disk tier on",
+    "d": "(d) restart, preloaded",
+}
+
+
+async def converse(engine, conv, args) -> None:
+    for turn in range(args.turns):
+        await run_turn(engine, conv, turn, args, "warm-")
+
+
 async def main_async(args) -> None:
     root = Path(args.kv_dir or tempfile.mkdtemp(prefix="kv-warm-"))
     live = root / "live"
     arrivals = {"at-once": (False,), "one-at-a-time": (True,), "both": (False, True)}[args.arrival]
+    restarts = {"off": ("c",), "on": ("d",), "both": ("c", "d")}[args.preload]
     engine = await started(engine_config(args, kv_disk_dir=str(live)))
     convs = new_conversations(engine, args.sessions, args.system_repeat)
 
-    async def converse(conv):
-        for turn in range(args.turns):
-            await run_turn(engine, conv, turn, args, "warm-")
-
     start = time.perf_counter()
-    await asyncio.gather(*(converse(c) for c in convs))
+    await asyncio.gather(*(converse(engine, c, args) for c in convs))
     phase1 = time.perf_counter() - start
     shortest = min(len(c.history) for c in convs)
     longest = max(len(c.history) for c in convs)
@@ -129,7 +133,12 @@ async def main_async(args) -> None:
     # all-at-once turn completes each history's last block, which the one-at-a-time
     # turn reuses: a snapshot from before it would lack that block and (a) not.)
     repeats = range(args.repeat)
-    snaps = {(r, p): root / f"snapshot-{r}-{int(p)}" for r in repeats for p in arrivals}
+    snaps = {
+        (key, r, p): root / f"snapshot-{key}{r}-{int(p)}"
+        for key in restarts
+        for r in repeats
+        for p in arrivals
+    }
     turn = args.turns
     # (run, paced, repeat) -> its rows; (b) runs once, as repeat 0
     runs: dict[tuple[str, bool, int], list[dict]] = {}
@@ -137,7 +146,8 @@ async def main_async(args) -> None:
     for r in repeats:
         for paced in arrivals:
             await settle(engine)
-            num_files[r, paced] = snapshot(live, snaps[r, paced])
+            for key in restarts:
+                num_files[r, paced] = snapshot(live, snaps[key, r, paced])
             tag = f"a{int(paced)}r{r}-"
             runs["a", paced, r] = await last_turn(engine, convs, turn, args, tag, paced, r)
     await engine.stop()
@@ -154,15 +164,23 @@ async def main_async(args) -> None:
     restart_s, warm_up_s, disk_stats = {}, {}, {}
     for r in repeats:
         for paced in arrivals:
-            config = engine_config(args, kv_disk_dir=str(snaps[r, paced]))
-            warm, started_s, warm_up = await started_timed(config)
-            tag = f"c{int(paced)}r{r}-"
-            runs["c", paced, r] = await last_turn(warm, convs, turn, args, tag, paced, r)
-            if r == 0:
-                restart_s[paced], warm_up_s[paced] = started_s, warm_up
-                disk_stats[paced] = warm.cache_stats()["disk"]
-            await warm.stop()
-            del warm
+            for key in restarts:
+                preload_bytes = 0 if key == "c" else args.preload_bytes
+                config = engine_config(
+                    args,
+                    kv_disk_dir=str(snaps[key, r, paced]),
+                    **({} if preload_bytes is None else {"kv_disk_preload_bytes": preload_bytes}),
+                )
+                warm, started_s, warm_up = await started_timed(config)
+                if key == "d":
+                    await preloaded(warm)
+                tag = f"{key}{int(paced)}r{r}-"
+                runs[key, paced, r] = await last_turn(warm, convs, turn, args, tag, paced, r)
+                if r == 0:
+                    restart_s[key, paced], warm_up_s[key, paced] = started_s, warm_up
+                    disk_stats[key, paced] = warm.cache_stats()["disk"]
+                await warm.stop()
+                del warm
     if not args.kv_dir:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -177,65 +195,75 @@ async def main_async(args) -> None:
         print(f"WARNING: a history has {shortest} tokens, under --min-history {args.min_history}")
     if args.max_history is not None and longest > args.max_history:
         print(f"WARNING: a history has {longest} tokens, over --max-history {args.max_history}")
-    names = {
-        "a": "(a) no restart",
-        "b": "(b) restart, disk tier off",
-        "c": "(c) restart, disk tier on",
-    }
     for paced in arrivals:
         how = "one at a time" if paced else "all sessions at once"
         print(f"turn {turn + 1}, {how:<21} ttft_p50_ms  ttft_p90_ms  cached/prompt")
-        for key, name in names.items():
+        for key in ("a", "b", *restarts):
             rows = runs[key, paced, 0]
             ttfts = [r["ttft"] for r in rows]
             cached, prompt = sum(r["cached"] for r in rows), sum(r["prompt"] for r in rows)
             print(
-                f"{name:<32} {p50(ttfts) * 1e3:>11.1f}  {percentile(ttfts, 90) * 1e3:>11.1f}  "
-                f"{cached}/{prompt}"
+                f"{NAMES[key]:<32} {p50(ttfts) * 1e3:>11.1f}  "
+                f"{percentile(ttfts, 90) * 1e3:>11.1f}  {cached}/{prompt}"
             )
-        a, b, c = (p50([r["ttft"] for r in runs[key, paced, 0]]) for key in "abc")
-        print(
-            f"(c)/(a) p50 = {c / a:.2f}x (target <= 1.5x; ready-means-warm <= 1.3x); "
-            f"(b)/(c) p50 = {b / c:.1f}x (target >= 5x)"
-        )
-        prompts = [r["prompt"] for r in runs["c", paced, 0]]
-        print(f"turn {turn + 1} prompts {min(prompts)}-{max(prompts)} tokens")
-        if paced:  # the one request a new engine serves first, with nothing queued before it
-            first = runs["c", paced, 0][0]["ttft"]
+        a, b = (p50([r["ttft"] for r in runs[key, paced, 0]]) for key in "ab")
+        for key in restarts:
+            c = p50([r["ttft"] for r in runs[key, paced, 0]])
             print(
-                f"(c) the first request after the restart: {first * 1e3:.1f} ms "
-                f"= {first / a:.2f}x (a) p50 (target <= 1.3x)"
+                f"({key})/(a) p50 = {c / a:.2f}x (target <= 1.5x; ready-means-warm <= 1.3x); "
+                f"(b)/({key}) p50 = {b / c:.1f}x (target >= 5x)"
             )
-        disk_on = runs["c", paced, 0]
-        tiers = {
-            t: sum(r["by_tier"].get(t, 0) for r in disk_on) for t in ("device", "host", "disk")
-        }
-        stats = disk_stats[paced]
-        print(
-            f"(c) cached tokens by tier {tiers}; engine start incl. index rebuild "
-            f"{restart_s[paced]:.1f}s, then warm-up {warm_up_s[paced]:.1f}s; "
-            f"disk loads {stats['loaded_blocks']} blocks, "
-            f"{stats['loaded_bytes'] / 2**20:.0f} MiB"
-        )
+        prompts = [r["prompt"] for r in runs[restarts[0], paced, 0]]
+        print(f"turn {turn + 1} prompts {min(prompts)}-{max(prompts)} tokens")
+        for key in restarts:
+            restarted = runs[key, paced, 0]
+            if paced:  # the one request a new engine serves first, nothing queued before it
+                first = restarted[0]["ttft"]
+                print(
+                    f"({key}) the first request after the restart: {first * 1e3:.1f} ms "
+                    f"= {first / a:.2f}x (a) p50 (target <= 1.3x)"
+                )
+            tiers = {
+                t: sum(r["by_tier"].get(t, 0) for r in restarted)
+                for t in ("device", "host", "disk")
+            }
+            stats = disk_stats[key, paced]
+            line = (
+                f"({key}) cached tokens by tier {tiers}; engine start incl. index rebuild "
+                f"{restart_s[key, paced]:.1f}s, then warm-up {warm_up_s[key, paced]:.1f}s; "
+                f"disk loads {stats['loaded_blocks']} blocks, "
+                f"{stats['loaded_bytes'] / 2**20:.0f} MiB"
+            )
+            preload = stats.get("preload")
+            if key == "d" and preload:
+                line += (
+                    f"; preload {preload['read_blocks']} of {preload['planned_blocks']} "
+                    f"blocks in {preload['seconds']:.2f}s, {preload['used_blocks']} used"
+                )
+            print(line)
     if args.repeat > 1:
-        print_repeats(runs, arrivals, args.repeat)
+        print_repeats(runs, arrivals, args.repeat, restarts)
 
 
-def print_repeats(runs, arrivals, repeat: int) -> None:
-    """(c)/(a) p50 of every repeat, and their median (with the first request after
-    each restart, one at a time)."""
-    for paced in arrivals:
-        how = "one at a time" if paced else "all sessions at once"
-        ratios, firsts = [], []
-        for r in range(repeat):
-            a = p50([row["ttft"] for row in runs["a", paced, r]])
-            ratios.append(p50([row["ttft"] for row in runs["c", paced, r]]) / a)
-            firsts.append(runs["c", paced, r][0]["ttft"] / a)
-        line = ", ".join(f"{x:.2f}x" for x in ratios)
-        print(f"(c)/(a) p50, {how}, {repeat} repeats: {line}; median {p50(ratios):.2f}x")
-        if paced:
-            line = ", ".join(f"{x:.2f}x" for x in firsts)
-            print(f"first request after each restart / (a) p50: {line}; median {p50(firsts):.2f}x")
+def print_repeats(runs, arrivals, repeat: int, restarts=("c",)) -> None:
+    """(c)/(a) (and (d)/(a)) p50 of every repeat, and their median (with the first
+    request after each restart, one at a time)."""
+    for key in restarts:
+        for paced in arrivals:
+            how = "one at a time" if paced else "all sessions at once"
+            ratios, firsts = [], []
+            for r in range(repeat):
+                a = p50([row["ttft"] for row in runs["a", paced, r]])
+                ratios.append(p50([row["ttft"] for row in runs[key, paced, r]]) / a)
+                firsts.append(runs[key, paced, r][0]["ttft"] / a)
+            line = ", ".join(f"{x:.2f}x" for x in ratios)
+            print(f"({key})/(a) p50, {how}, {repeat} repeats: {line}; median {p50(ratios):.2f}x")
+            if paced:
+                line = ", ".join(f"{x:.2f}x" for x in firsts)
+                print(
+                    f"({key}) first request after each restart / (a) p50: {line}; "
+                    f"median {p50(firsts):.2f}x"
+                )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -258,7 +286,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how the last turn's requests arrive (one at a time: no queueing behind others)",
     )
     parser.add_argument(
-        "--repeat", type=int, default=1, help="(a) and (c) runs each, other questions each time"
+        "--repeat", type=int, default=1, help="(a), (c) and (d) runs, other questions each time"
+    )
+    parser.add_argument(
+        "--preload",
+        choices=("off", "on", "both"),
+        default="both",
+        help="restart runs: (c) without the preload, (d) with it (the turn once it ended)",
+    )
+    parser.add_argument(
+        "--preload-bytes",
+        type=int,
+        default=None,
+        help="(d)'s CHATSVC_KV_DISK_PRELOAD_BYTES (default: the service's)",
     )
     # The preset becomes the defaults, so a flag on the command line still wins.
     shape = parser.parse_known_args(argv)[0].shape

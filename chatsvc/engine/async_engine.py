@@ -227,10 +227,13 @@ class AsyncEngine:
     async def warm_up(self) -> list[tuple[str, float]]:
         """Run the step shapes the scheduler will use, within ``config.warm_up_s``, before
         serving (engine/warmup.py); (shape, seconds) of each that ran. A stop in the
-        middle ends it after the shape running then."""
+        middle ends it after the shape running then. Its last act starts the disk
+        tier's preload, which reads in the background while no request runs."""
 
         def warm(engine: LLMEngine):
             shapes = engine.warm_up(self.config.warm_up_s, stop=lambda: self._stopping)
+            if not self._stopping:
+                engine.start_preload()
             return [(shape.name, shape.seconds) for shape in shapes]
 
         # Left set when the call is cancelled: the stop() that follows then does not

@@ -19,6 +19,7 @@ ENV_PREFIX = "CHATSVC_"
 # The default pool: as many blocks as this many bytes hold in bf16, in every dtype, so
 # a CPU without native bf16 (fp32, twice the bytes a block) caches as many sessions.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_DISK_PRELOAD_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class EngineConfig:
     kv_disk_queue_blocks: int = 64  # block writes in flight; more are dropped, never waited for
     kv_disk_retry_s: int = 10  # writes pause this long after a write error
     kv_disk_load_threads: int = 2  # threads reading blocks back (one of them also writes)
+    # After a restart, at most this many bytes of the most recently used sessions' block
+    # files are read into memory while the engine is idle (kv_disk/preload.py); 0: none.
+    kv_disk_preload_bytes: int = DEFAULT_KV_DISK_PRELOAD_BYTES
     # Seconds the warm-up before serving may take (engine/warmup.py); 0: none.
     warm_up_s: float = 30.0
     data_dir: str | None = None
@@ -148,6 +152,10 @@ class EngineConfig:
             )
         if self.kv_disk_queue_blocks < 1 or self.kv_disk_retry_s < 0:
             raise ValueError("kv_disk_queue_blocks must be >= 1 and kv_disk_retry_s >= 0")
+        if self.kv_disk_preload_bytes < 0:
+            raise ValueError(
+                f"kv_disk_preload_bytes must be >= 0 (0 = none), got {self.kv_disk_preload_bytes}"
+            )
         if self.kv_disk_load_threads < 1:
             raise ValueError(f"kv_disk_load_threads must be >= 1, got {self.kv_disk_load_threads}")
         if self.weight_dtype not in WEIGHT_DTYPES:

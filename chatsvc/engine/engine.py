@@ -170,11 +170,23 @@ class LLMEngine:
         """Run the step shapes the scheduler will use, within ``budget_s`` seconds, before
         any request (warmup.py): the cache and its statistics stay as they are.
         ``stop()`` true ends it before the next shape."""
+        tier = self.disk_tier
         shapes = warm_up_shapes(
-            self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_context_len
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_context_len,
+            disk_load=tier is not None,
         )
         pool = self.runner.kv_pool
-        return run_warm_up(self.model, pool, self.config.block_size, shapes, budget_s, stop)
+        disk_load = None if tier is None else tier.warm_up_load
+        return run_warm_up(
+            self.model, pool, self.config.block_size, shapes, budget_s, stop, disk_load
+        )
+
+    def start_preload(self) -> int:
+        """After a restart, read the most recently used sessions' blocks into memory in
+        the background, while no request runs (kv_disk/preload.py); blocks planned."""
+        return 0 if self.disk_tier is None else self.disk_tier.start_preload()
 
     # -- requests -----------------------------------------------------------------
 
@@ -265,14 +277,17 @@ class LLMEngine:
     @property
     def has_unapplied_io(self) -> bool:
         """Disk writes whose results only this thread can take in (index entry, buffer
-        back): an idle engine must still collect them (``apply_io``)."""
-        return self.step_io.has_unapplied_writes
+        back), or a preload under way: an idle engine must still call ``apply_io``."""
+        return self.step_io.has_unapplied_io
 
     def apply_io(self, wait_s: float) -> None:
-        """Wait up to ``wait_s`` for a disk job to end, then take in every ended one."""
+        """Wait up to ``wait_s`` for a disk job to end, then take in every ended one; with
+        no request in the engine, background I/O (the preload) goes on."""
         self.step_io.wait(wait_s)
         self.scheduler.finish_loads(self.step_io.finished_loads())
         self.forget_late()
+        if not self.has_unfinished_requests:
+            self.step_io.idle()
 
     @property
     def num_requests(self) -> int:

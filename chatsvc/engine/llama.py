@@ -86,9 +86,10 @@ class LlamaModel:
             self.dtype,
             weight_dtype,
             lambda: exact_in_bf16(_matrices(weights)),
+            invariant,
         )
         self.linears = LINEARS[self.weight_layout]
-        self.prepacked = self.weight_layout != "plain"
+        self.prepacked = self.weight_layout not in ("plain", "chunked")
         self._lm_head = weights.lm_head
         if self.prepacked:
             pack = self.linears.pack

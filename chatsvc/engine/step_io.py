@@ -15,6 +15,9 @@ this order; the component never sees the scheduler::
     wait(timeout_s)     when the step computed nothing and loads are in flight:
                         sleep on them instead of spinning
 
+and, between steps, ``idle()`` when the engine has no request at all: work no
+request waits on (the disk tier's preload after a restart) goes on only then.
+
 ``NoStepIO`` is the component when the disk tier is off: without a disk index
 the cache plans no load and no store, so it has nothing to do.
 """
@@ -51,9 +54,10 @@ class StepIO(Protocol):
     """
 
     @property
-    def has_unapplied_writes(self) -> bool:
-        """Queued writes whose results ``finished_loads`` has not taken in yet: an idle
-        engine must still call it (``LLMEngine.apply_io``)."""
+    def has_unapplied_io(self) -> bool:
+        """Queued writes whose results ``finished_loads`` has not taken in yet, or
+        background work under way: an idle engine must still call ``finished_loads``
+        and ``idle`` (``LLMEngine.apply_io``)."""
         ...
 
     def finished_loads(self) -> list[FinishedLoad]:
@@ -73,11 +77,15 @@ class StepIO(Protocol):
         """Sleep until some job ended, at most ``timeout_s``."""
         ...
 
+    def idle(self) -> None:
+        """The engine has no request: background work may go on."""
+        ...
+
 
 class NoStepIO:
     """The StepIO of an engine without a disk tier: nothing to load, nowhere to store."""
 
-    has_unapplied_writes = False
+    has_unapplied_io = False
 
     def finished_loads(self) -> list[FinishedLoad]:
         return []
@@ -93,3 +101,6 @@ class NoStepIO:
 
     def wait(self, timeout_s: float) -> None:
         pass  # nothing in flight to wait for
+
+    def idle(self) -> None:
+        pass  # no background work

@@ -137,7 +137,8 @@ class EngineClient(Protocol):
     async def warm_up(self) -> list[tuple[str, float]]:
         """After ``start``, before the first request: pay the first-call costs of the
         step shapes the engine will run, leaving its cache and statistics as they are;
-        (shape, seconds) of each shape run."""
+        (shape, seconds) of each shape run. Background work that must wait until the
+        engine serves (the disk tier's preload) starts as it returns."""
         ...
 
     async def stop(self) -> None:

@@ -39,8 +39,9 @@
  * Each item takes one of the paths (`attend_item`), one file each:
  *
  *   widening loops   any dtype: K/V widened to fp32      attention_avx512.c
- *                                                        (attention_portable.c
- *                                                        without AVX-512)
+ *                                                        (attention_avx2.c on AVX2,
+ *                                                        attention_portable.c
+ *                                                        elsewhere)
  *   dot pairs        bf16 on AVX512-BF16                 attention_bf16.c
  *   tile unit        bf16 runs of several tokens, AMX    attention_amx.c
  *
@@ -211,7 +212,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
             }
             const int split = slices > 1 || g >= 0;
             Tile *t = &tiles[tile++];
-            *t = (Tile){b, begin, end, (int32_t)num_parts, 0};
+            *t = (Tile){b, begin, end, (int32_t)num_parts, 0, n, 0};
             if (g >= 0) /* a member has all its tokens in one tile (q_len <= cap) */
                 parts[num_parts++] = shared_offset[g] + (int64_t)(member_token[g] + begin) * num_q_heads;
             for (int64_t p = 0; p < slices; p++) {
@@ -225,6 +226,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                 items[n++] = it;
             }
             t->num_parts = (int32_t)num_parts - t->first_part;
+            t->num_items = n - t->first_item;
         }
         if (g >= 0) member_token[g] += q_len;
     }
@@ -235,6 +237,12 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     const int64_t scratch_bytes =
         ((scratch_floats(rows, head_dim) * (int64_t)sizeof(float) + 63) / 64) * 64;
     int failed = partial_rows && !partials;
+    /* With tiles enough to keep every thread busy (and no shared items, whose pieces
+     * other tiles read), a thread takes a whole tile: its pieces, then their merge, with
+     * no barrier between. Otherwise each piece is a task of its own (one long sequence
+     * still keeps every thread busy) and the merges follow them all. A row's pieces and
+     * its merge are the same either way. */
+    const int by_tile = num_groups == 0 && num_tiles >= 2 * (int64_t)num_threads;
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = aligned_alloc(64, scratch_bytes);
@@ -251,7 +259,15 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
+        if (!failed && by_tile) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < num_tiles; t++) {
+                const Tile *own = &tiles[t];
+                for (int64_t i = own->first_item; i < own->first_item + own->num_items; i++)
+                    attend_item(&a, &items[i], scratch, partials, amx, head_dim);
+                if (own->num_parts > 1) merge_tile(&a, own, parts, partials, head_dim);
+            }
+        } else if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < num_items; i++)
                 attend_item(&a, &items[i], scratch, partials, amx, head_dim);

@@ -3,7 +3,8 @@
  *   attention.c           the entry: work items, slices, the thread team, the path per item
  *   attention_plan.c      the shared-prefix planner (`plan_shared`)
  *   attention_merge.c     the merge of an item's partial states (`merge_tile`)
- *   attention_portable.c  the widening loops in portable C (builds without AVX-512)
+ *   attention_portable.c  the widening loops in portable C (builds without AVX-512 or AVX2)
+ *   attention_avx2.c      the widening loops on AVX2 + FMA (K and V widened to fp32)
  *   attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
  *   attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
  *   attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)
@@ -58,11 +59,13 @@ typedef struct {
     const int32_t *tokens;
 } Item;
 
-/* A tile of one sequence's new tokens and where its pieces' partial states lie:
+/* A tile of one sequence's new tokens, its own items (first_item, num_items: the
+ * pieces of its keys, shared items aside) and where its pieces' partial states lie:
  * row r of piece p at partials[(parts[first_part + p] + r) * (D + 2)]. */
 typedef struct {
     int32_t seq, q_begin, q_end;
     int32_t first_part, num_parts;
+    int64_t first_item, num_items;
 } Tile;
 
 /* Sequences attending to their common leading blocks together (`plan_shared`). */

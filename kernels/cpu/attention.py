@@ -21,12 +21,12 @@ import math
 
 import torch
 
+from kernels import invariance
 from kernels.attention_inputs import AttentionInputs
 from kernels.backend import NATIVE_ALL, native_max_query, native_takes
 from kernels.cpu import native
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, metadata_for
-from kernels.invariance import SPAN_TOKENS
 from kernels.validate import check_shared_strides
 
 # The kernel's query tile on its vector loops (the tile path takes 16 // G tokens).
@@ -38,14 +38,15 @@ def paged_attention_native(
     seqs: torch.Tensor,
     out: torch.Tensor,
     lib: ctypes.CDLL | None = None,
-    span: int = SPAN_TOKENS,
+    span: int | None = None,
 ) -> None:
     """Write the attention of sequences ``seqs`` (int32 batch indices) into ``out``.
 
     ``inputs`` as ``kernels.paged_extend_attention`` takes them (already checked
     there); other sequences' rows of ``out`` are left as they are. ``lib``: a library
     built by ``kernels.cpu.native`` (default: ``native.library()``). ``span``: keys per
-    fixed span (invariant); 0 cuts them by the load instead.
+    fixed span (None: ``kernels.invariance.SPAN_TOKENS``, invariant); 0 cuts them by the
+    load instead.
     """
     if lib is None:
         lib = native.require()
@@ -73,7 +74,7 @@ def paged_attention_native(
         seqs.to(torch.int32).contiguous(),
         inputs.scale,
         out,
-        span,
+        invariance.SPAN_TOKENS if span is None else span,
     )
 
 
@@ -90,7 +91,7 @@ def launch_attention(
     seqs: torch.Tensor,
     scale: float,
     out: torch.Tensor,
-    span: int = SPAN_TOKENS,
+    span: int,
     q_tile: int = NATIVE_Q_TILE,
 ) -> None:
     """The C call alone: caches by address (K, V) and their shared (block, slot, head)
@@ -141,7 +142,7 @@ def paged_extend_attention_native(
         limit = NATIVE_ALL if invariant else native_max_query(query.dtype, query.shape[-1])
         metadata = metadata_for(inputs, limit)
     out = torch.empty_like(inputs.query)
-    span = SPAN_TOKENS if invariant else 0
+    span = invariance.SPAN_TOKENS if invariant else 0
     paged_attention_native(inputs, metadata.native_seqs, out, span=span)
     attend_groups(inputs.query, inputs.k_cache, inputs.v_cache, metadata, inputs.scale, out)
     return out

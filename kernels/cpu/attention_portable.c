@@ -1,5 +1,5 @@
-/* The widening loops in portable C: builds whose target has no AVX-512 (elsewhere
- * than x86, or -mno-avx512f). K and V rows are widened to fp32 (in place for fp32),
+/* The widening loops in portable C: builds whose target has neither AVX-512 nor AVX2
+ * with FMA (elsewhere than x86, or -mno-avx2). K and V rows are widened to fp32 (in place for fp32),
  * K transposed per 16-key tile so a row's scores are plain vector loops the compiler
  * vectorises, then the online softmax and acc = acc * alpha + p . V per row. The
  * AVX-512 twin of this file is attention_avx512.c; the item walk that calls
@@ -7,7 +7,7 @@
 
 #include "attention_walk.h"
 
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 
 /* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n), so a query
  * row's scores are D multiply-adds of whole tiles, with no horizontal sums. */

@@ -5,13 +5,15 @@
  * A decode step reads every weight once for a few rows of x, so it is bound by the
  * weights' bytes. On CPUs without native bf16 the model computes in fp32; its weights
  * stored in bf16 (the checkpoint's own dtype: nothing lost) halve what a step reads,
- * in int8 with a scale per output row they quarter it. Two formats:
+ * in int8 with a scale per output row they quarter it. Three formats:
  *
  *   bf16  W itself. A bf16 value is the top half of an fp32 one, so interleaving
  *         16-bit zeros below each weight (one unpack per 8) widens it exactly.
  *   int8  q[N, K] and scale[N], W ~ scale[n] * q[n][k] (symmetric, per output row:
  *         kernels/cpu/narrow_linear.py quantizes). The sum runs over q widened to fp32
  *         (exact) and is multiplied by the row's scale once, at the end.
+ *   fp32  W itself, for weights neither format holds exactly: the same sums in the same
+ *         order as the others, so a row's output stays independent of its step.
  *
  * Packed layout, both formats: 16-column blocks, K sequential inside a block, 16
  * values per k:
@@ -42,8 +44,9 @@
 #endif
 
 enum { COLS = 16, ROWS = 6 };
-enum { FORMAT_BF16 = 0, FORMAT_INT8 = 1 }; /* kernels/cpu/narrow_linear.py: FORMATS */
-enum { FORMAT_WIDENED = 2 };                 /* internal: an int8 block widened to fp32 */
+/* kernels/cpu/narrow_linear.py: FORMATS. An int8 block widened once to fp32 (a step of
+ * many rows) is read as FORMAT_F32, its problem's format still INT8 (the scale). */
+enum { FORMAT_BF16 = 0, FORMAT_INT8 = 1, FORMAT_F32 = 2 };
 
 /* int8 steps of more rows than this widen each block once into fp32 scratch (its writes
  * and reads cost more than converting again up to about 16 rows: docs/kernels.md). */
@@ -59,7 +62,8 @@ int64_t chatsvc_narrow_linear_packed_elements(int64_t n, int64_t k) {
     return (n + COLS - 1) / COLS * COLS * k;
 }
 
-static const int INT8_COLUMN_OF[COLS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+/* int8 and fp32 */
+static const int IDENTITY_COLUMN_OF[COLS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* The packed layout above for elements of `width` bytes, block place p taking row
  * 16 nb + column_of[p]. */
@@ -87,7 +91,13 @@ void chatsvc_narrow_linear_pack_bf16(const uint16_t *w, int64_t w_stride, int64_
 /* Pack q [n, k] (int8, rows `q_stride` apart) into `packed`. */
 void chatsvc_narrow_linear_pack_int8(const int8_t *q, int64_t q_stride, int64_t n, int64_t k,
                                      int8_t *packed) {
-    pack_blocks((const char *)q, q_stride, n, k, 1, INT8_COLUMN_OF, (char *)packed);
+    pack_blocks((const char *)q, q_stride, n, k, 1, IDENTITY_COLUMN_OF, (char *)packed);
+}
+
+/* Pack W [n, k] (fp32, rows `w_stride` apart) into `packed`. */
+void chatsvc_narrow_linear_pack_f32(const float *w, int64_t w_stride, int64_t n, int64_t k,
+                                    float *packed) {
+    pack_blocks((const char *)w, w_stride, n, k, 4, IDENTITY_COLUMN_OF, (char *)packed);
 }
 
 #if defined(CHATSVC_NARROW_LINEAR)
@@ -104,7 +114,7 @@ static inline __attribute__((always_inline)) void widen(const int format, const 
         const int8_t *q = (const int8_t *)block + kk * COLS;
         *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
         *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
-    } else { /* FORMAT_WIDENED: a block already widened to fp32 (widen_block) */
+    } else { /* FORMAT_F32: fp32 weights, or an int8 block widened once (widen_block) */
         const float *w = (const float *)block + kk * COLS;
         *lo = _mm256_loadu_ps(w);
         *hi = _mm256_loadu_ps(w + 8);
@@ -203,7 +213,7 @@ typedef struct {
 } Problem;
 
 /* Rows [row0, row0 + rows) against column block nb, whose packed values are `block`
- * in `format` (the problem's own, or FORMAT_WIDENED). */
+ * in `format` (the problem's own, or FORMAT_F32 for a widened int8 block). */
 static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const void *block,
                     int format) {
     const float *x = p->x + row0 * p->x_stride;
@@ -217,7 +227,7 @@ static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const 
 #define FORMATS(R)                                  \
     if (format == FORMAT_BF16) ROW_TILE(R, FORMAT_BF16); \
     else if (format == FORMAT_INT8) ROW_TILE(R, FORMAT_INT8); \
-    else ROW_TILE(R, FORMAT_WIDENED);
+    else ROW_TILE(R, FORMAT_F32);
     switch (rows) {
         case 1: FORMATS(1) break;
         case 2: FORMATS(2) break;
@@ -230,8 +240,12 @@ static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const 
 #undef ROW_TILE
 }
 
+static int64_t format_width(int format) {
+    return format == FORMAT_BF16 ? 2 : format == FORMAT_INT8 ? 1 : 4;
+}
+
 static const void *block_at(const Problem *p, int64_t nb) {
-    const int64_t width = p->format == FORMAT_BF16 ? 2 : 1;
+    const int64_t width = format_width(p->format);
     return (const char *)p->packed + nb * p->k * COLS * width;
 }
 
@@ -245,12 +259,12 @@ static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *
             widen_block(block_at(p, nb), p->k, widened);
             for (int64_t row0 = 0; row0 < p->m; row0 += ROWS) {
                 const int rows = p->m - row0 < ROWS ? (int)(p->m - row0) : ROWS;
-                rows_at(p, rows, row0, nb, widened, FORMAT_WIDENED);
+                rows_at(p, rows, row0, nb, widened, FORMAT_F32);
             }
         }
         return;
     }
-    const int64_t width = p->format == FORMAT_BF16 ? 2 : 1;
+    const int64_t width = format_width(p->format);
     int64_t chunk = p->k > 0 ? CHUNK_BYTES / (p->k * COLS * width) : last - first;
     if (chunk < 1) chunk = 1;
     for (int64_t start = first; start < last; start += chunk) {
@@ -266,7 +280,7 @@ static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *
 
 /* out = x . W^T (+ bias) (+ residual): x, bias, residual and out fp32, W packed by
  * the format's `chatsvc_narrow_linear_pack_*`; `scale` [n] for int8 (ignored for
- * bf16). bias and residual may be NULL. Returns 0, or -1 where this build has no
+ * the others). bias and residual may be NULL. Returns 0, or -1 where this build has no
  * AVX2 + FMA or the format is unknown (nothing is written then), or scratch memory
  * ran out (int8 with more than WIDEN_ONCE_ROWS rows; out is then incomplete). */
 int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const void *packed,
@@ -274,7 +288,7 @@ int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const voi
                           const float *bias, const float *residual, int64_t residual_stride,
                           float *out, int64_t out_stride, int32_t num_threads) {
 #if defined(CHATSVC_NARROW_LINEAR)
-    if (format != FORMAT_BF16 && format != FORMAT_INT8) return -1;
+    if (format != FORMAT_BF16 && format != FORMAT_INT8 && format != FORMAT_F32) return -1;
     if (m <= 0 || n <= 0) return 0;
     const Problem p = {x, x_stride, m, packed, format, n, k, scale, bias, residual,
                        residual_stride, out, out_stride};

@@ -3,12 +3,14 @@
     out = x @ W^T (+ bias) (+ residual)      x [M, K] fp32, W [N, K] stored narrow, out fp32
 
 On a CPU without native bf16 the model computes in fp32, and a decode step is bound by
-reading the weights. Two storage formats:
+reading the weights. Three storage formats:
 
     bf16   the weights rounded to bf16 (a bf16 checkpoint's own values: nothing lost),
            half the bytes of fp32
     int8   ``quantize_int8``: symmetric int8 with one fp32 scale per output row,
            a quarter of the bytes
+    fp32   the weights as they are: for fp32 weights bf16 does not hold, the same fixed
+           order of sums (``kernels.invariance``) as the narrow formats
 
 The kernel widens each stored value exactly and sums every output in one fixed order,
 so a row's output does not depend on the other rows of the step. The reference twin is
@@ -25,22 +27,23 @@ import torch.nn.functional as F
 from kernels.cpu import native
 from kernels.validate import check_linear_inputs
 
-FORMATS = {"bf16": 0, "int8": 1}  # narrow_linear.c: FORMAT_*
+FORMATS = {"bf16": 0, "int8": 1, "fp32": 2}  # narrow_linear.c: FORMAT_*
 INT8_LEVELS = 127  # symmetric: -127..127, so a row's largest magnitude is stored exactly
 
 
 class NarrowWeight(NamedTuple):
     """A ``[N, K]`` weight packed in 16-column blocks; ``shape`` is the weight's own."""
 
-    packed: torch.Tensor  # flat bf16 or int8, chatsvc_narrow_linear_packed_elements(N, K)
+    packed: torch.Tensor  # flat bf16, int8 or fp32: chatsvc_narrow_linear_packed_elements(N, K)
     scale: torch.Tensor | None  # [N] fp32 for int8, else None
     shape: tuple[int, int]
     format: str  # a key of FORMATS
 
 
 def narrow_linear_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether ``narrow_linear`` runs here: fp32 on a CPU whose native library has AVX2 + FMA."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    """Whether a model of ``dtype`` may run its linears on ``narrow_linear``: fp32 or bf16
+    (summed in fp32, see ``kernels.linear``) on a CPU whose native library has AVX2 + FMA."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     lib = native.library()
     return lib is not None and bool(lib.chatsvc_narrow_linear_available())
@@ -65,6 +68,17 @@ def pack_bf16_weight(weight: torch.Tensor) -> NarrowWeight:
         narrow.data_ptr(), narrow.stride(0), n, k, packed.data_ptr()
     )
     return NarrowWeight(packed, None, (n, k), "bf16")
+
+
+def pack_fp32_weight(weight: torch.Tensor) -> NarrowWeight:
+    """``weight [N, K]`` (a floating CPU tensor) in fp32, packed."""
+    _check_weight(weight)
+    wide = weight.to(torch.float32).contiguous()
+    lib = native.require()
+    n, k = wide.shape
+    packed = torch.empty(lib.chatsvc_narrow_linear_packed_elements(n, k), dtype=torch.float32)
+    lib.chatsvc_narrow_linear_pack_f32(wide.data_ptr(), wide.stride(0), n, k, packed.data_ptr())
+    return NarrowWeight(packed, None, (n, k), "fp32")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +146,9 @@ def narrow_linear_reference(
 ) -> torch.Tensor:
     """The twin: the same sum through torch, in fp32, with the plain weight stored as
     ``format`` stores it."""
-    if format == "bf16":
-        out = F.linear(x, weight.to(torch.bfloat16).float(), bias)
+    if format in ("bf16", "fp32"):
+        stored = weight.to(torch.bfloat16) if format == "bf16" else weight
+        out = F.linear(x, stored.float(), bias)
     else:
         q, scale = quantize_int8(weight)
         out = F.linear(x, q.float()) * scale

@@ -47,6 +47,7 @@ SOURCES = tuple(
         "attention_plan.c",
         "attention_merge.c",
         "attention_portable.c",
+        "attention_avx2.c",
         "attention_avx512.c",
         "attention_bf16.c",
         "attention_amx.c",
@@ -54,6 +55,7 @@ SOURCES = tuple(
         "layers.c",
         "tile_linear.c",
         "narrow_linear.c",
+        "pair_linear.c",
     )
 )
 # Included by the sources: in the key.
@@ -281,7 +283,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.chatsvc_linear_uses_tiles.argtypes = []
     lib.chatsvc_narrow_linear_packed_elements.restype = i64
     lib.chatsvc_narrow_linear_packed_elements.argtypes = [i64, i64]
-    for fmt in ("bf16", "int8"):
+    for fmt in ("bf16", "int8", "f32"):
         pack = getattr(lib, f"chatsvc_narrow_linear_pack_{fmt}")
         pack.restype = None
         pack.argtypes = [ptr, i64, i64, i64, ptr]  # w, row stride, n, k, packed
@@ -296,6 +298,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.chatsvc_narrow_linear_available.restype = ctypes.c_int
     lib.chatsvc_narrow_linear_available.argtypes = []
+    lib.chatsvc_pair_linear_packed_elements.restype = i64
+    lib.chatsvc_pair_linear_packed_elements.argtypes = [i64, i64]
+    lib.chatsvc_pair_linear_pack.restype = None
+    lib.chatsvc_pair_linear_pack.argtypes = [ptr, i64, i64, i64, ptr]  # w, row stride, n, k, out
+    pair = lib.chatsvc_pair_linear
+    pair.restype = ctypes.c_int
+    pair.argtypes = [
+        ptr, i64, i64,  # x, row stride, rows
+        ptr, i64, i64,  # packed weight, out features, in features
+        ptr, ptr, i64,  # bias, residual, residual row stride (NULL: none)
+        ptr, i64, i32,  # out, row stride, num_threads
+    ]  # fmt: skip
+    lib.chatsvc_pair_linear_available.restype = ctypes.c_int
+    lib.chatsvc_pair_linear_available.argtypes = []
 
 
 def library() -> ctypes.CDLL | None:

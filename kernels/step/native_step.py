@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels import invariance
 from kernels.backend import KernelChoice, native_takes
 from kernels.cpu import native
 from kernels.cpu.attention import launch_attention
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
-from kernels.invariance import SPAN_TOKENS
 from kernels.rms_norm import rms_norm_native
 from kernels.rope import apply_rope_native
 from kernels.step.ops import StepBatch, StepDims, StepOps
@@ -59,7 +59,7 @@ class NativeStep(StepOps):
         self._starts = batch.query_start_loc.to(torch.int32).contiguous()
         self._lens = batch.context_lens.to(torch.int32).contiguous()
         self._seqs = self.metadata.native_seqs.to(torch.int32).contiguous()
-        self._span = SPAN_TOKENS if choice.invariant else 0
+        self._span = invariance.SPAN_TOKENS if choice.invariant else 0
         # A layer's K and V by address: the layer views' pointers without the views.
         item = kv_pool.element_size()
         self._layer_bytes, self._v_bytes = kv_pool.stride(1) * item, kv_pool.stride(2) * item

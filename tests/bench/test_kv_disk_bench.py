@@ -32,6 +32,7 @@ def test_warm_restart_short_shape_presets_flags_and_yields_to_the_command_line()
     from bench.kv_disk.warm_restart import parse_args
 
     long, short = parse_args([]), parse_args(["--shape", "short", "--sessions", "8"])
+    assert long.preload == "both" and parse_args(["--preload", "on"]).preload == "on"
     assert (long.turns, long.min_history, long.max_history) == (4, 1000, None)
     assert (short.turns, short.min_history, short.max_history) == (2, 200, 400)
     assert short.sessions == 8 and short.min_tokens == short.max_tokens == 48
@@ -50,12 +51,18 @@ def test_warm_restart_turn_comes_from_disk(tmp_path):
         "bench.kv_disk.warm_restart",
         *TINY,
         "--sessions", "2", "--turns", "1", "--min-history", "1", "--kv-dir", str(tmp_path),
+        "--warm-up-s", "0.2",  # a shape or two: the engines' warm-up is tested elsewhere
     )  # fmt: skip
-    for run in ("(a) no restart", "(b) restart, disk tier off", "(c) restart, disk tier on"):
+    runs = ("(a) no restart", "(b) restart, disk tier off", "(c) restart, disk tier on")
+    for run in (*runs, "(d) restart, preloaded"):
         assert out.count(run) == 2  # the requests at once, then one at a time
     assert "all sessions at once" in out and "one at a time" in out
     disks = re.findall(r"'disk': (\d+)", out)
-    assert len(disks) == 2 and all(int(d) > 0 for d in disks)  # each restart hit its files
+    assert len(disks) == 4 and all(int(d) > 0 for d in disks)  # each restart hit its files
+    # (d)'s turn came once the preload had read every planned block, and used them.
+    preloads = re.findall(r"preload (\d+) of (\d+) blocks in [\d.]+s, (\d+) used", out)
+    assert len(preloads) == 2
+    assert all(read == planned and int(used) > 0 for read, planned, used in preloads)
 
 
 @pytest.mark.slow
@@ -81,5 +88,6 @@ def test_warm_restart_repeats_print_each_ratio_and_their_median(capsys):
             rows["c", paced, r] = [{"ttft": c * 2}, {"ttft": c}]  # the first one slower
     print_repeats(rows, (False, True), 3)
     out = capsys.readouterr().out
-    assert "all sessions at once, 3 repeats: 1.80x, 2.25x, 1.50x; median 1.80x" in out
-    assert "first request after each restart / (a) p50: 2.40x, 3.00x, 2.00x; median 2.40x" in out
+    assert "(c)/(a) p50, all sessions at once, 3 repeats: 1.80x, 2.25x, 1.50x; median 1.80x" in out
+    first = "(c) first request after each restart / (a) p50: 2.40x, 3.00x, 2.00x; median 2.40x"
+    assert first in out

@@ -354,3 +354,22 @@ def test_memory_hits_refresh_the_disk_copies_so_an_active_session_stays_on_disk(
     evicted = disk.reserve(h(77), ROOT_HASH, b"", False).evicted
     assert [e.hash for e in evicted] == chain_hashes(b)[1:]  # B's leaf, not A's
     disk.check()
+
+
+def test_recent_chains_are_whole_from_the_root_most_recent_first_and_bounded():
+    disk = DiskIndex(NBYTES, 1000 * NBYTES)
+    # Two sessions under one shared block (1): 1 <- 2 <- 3 (used at 30) and 1 <- 4 <- 5
+    # (used at 50); 7 hangs below a block that is not on disk (6), so no match reaches it.
+    for hash_, parent, used in [(1, 0, 10), (2, 1, 20), (3, 2, 30), (4, 1, 40), (5, 4, 50)]:
+        disk.add(h(hash_), ROOT_HASH if parent == 0 else h(parent), b"", hash_ == 1, used)
+    disk.add(h(7), h(6), b"", False, 99)
+
+    assert [e.hash for e in disk.recent_chains(10)] == [h(1), h(4), h(5), h(2), h(3)]
+    # Bounded: a chain that does not fit whole gives its blocks nearest the root.
+    assert [e.hash for e in disk.recent_chains(4)] == [h(1), h(4), h(5), h(2)]
+    assert [e.hash for e in disk.recent_chains(2)] == [h(1), h(4)]
+    assert disk.recent_chains(0) == []
+    # A hit makes its chain the most recent.
+    disk.touch([h(1), h(2), h(3)], 60)
+    assert [e.hash for e in disk.recent_chains(3)] == [h(1), h(2), h(3)]
+    disk.check()

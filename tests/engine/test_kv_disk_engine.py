@@ -25,6 +25,7 @@ from chatsvc.engine.async_engine import AsyncEngine
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.kv_disk import jobs as kv_jobs
+from chatsvc.engine.kv_disk import load_job as kv_load_job
 from chatsvc.engine.kv_disk.fileformat import parse_name
 from chatsvc.engine.kv_disk.fingerprint import model_fingerprint
 from chatsvc.engine.loader import load_local
@@ -312,13 +313,13 @@ def test_loads_never_stall_the_step_loop_and_an_abort_waits_for_them(
     with engine_on(smollm2_fp32, config(tmp_path)) as first:
         _, _, history = converse(first, 2)
     gate = threading.Event()
-    real_run = kv_jobs.LoadJob.run
+    real_run = kv_load_job.LoadJob.run
 
     def gated(job):
         gate.wait()
         real_run(job)
 
-    monkeypatch.setattr(kv_jobs.LoadJob, "run", gated)
+    monkeypatch.setattr(kv_load_job.LoadJob, "run", gated)
     with engine_on(smollm2_fp32, config(tmp_path)) as engine:
         engine.add_request(request("disk", turn_prompt(engine, history, 2)))
         other = engine.chat_format.tokenize("<|im_start|>user\nSay hi.<|im_end|>\n")

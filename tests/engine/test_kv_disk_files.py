@@ -25,7 +25,8 @@ from chatsvc.engine.kv_disk.fileformat import (
     parse_name,
 )
 from chatsvc.engine.kv_disk.fingerprint import weights_digest
-from chatsvc.engine.kv_disk.jobs import MISSING, DeleteJob, LoadJob, WriteJob
+from chatsvc.engine.kv_disk.jobs import DeleteJob, WriteJob
+from chatsvc.engine.kv_disk.load_job import MISSING, LoadJob
 from tests.engine.kv_fs import read_only_dir
 
 BS = 16

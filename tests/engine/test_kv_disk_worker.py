@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from chatsvc.engine.kv_disk.jobs import BarrierJob, LoadGroup
+from chatsvc.engine.kv_disk.jobs import BarrierJob
+from chatsvc.engine.kv_disk.load_job import LoadGroup
 from chatsvc.engine.kv_disk.worker import IOWorker
 
 
@@ -159,3 +160,52 @@ def test_the_loads_of_one_sequence_wake_the_engine_once_when_the_last_lands():
         assert worker.take_done() == [second]
     finally:
         worker.close()
+
+
+class _Gate:
+    """A job that runs until released, noting that it started."""
+
+    kind = "load"
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.error = None
+
+    def run(self) -> None:
+        self.started.set()
+        assert self.release.wait(10.0)
+
+
+def test_background_work_runs_only_when_nothing_else_waits_and_close_drops_it():
+    worker = IOWorker("t", num_loaders=1)
+    log: list = []
+    gate = _Gate()
+    try:
+        worker.submit_urgent(gate)
+        assert gate.started.wait(10.0)
+        # Queued while the one thread is busy: the background job goes after the others.
+        worker.submit_background(_Record(log, "background"))
+        worker.submit(_Record(log, "ordered"))
+        worker.submit_urgent(_Record(log, "load"))
+        assert worker.has_urgent
+        gate.release.set()
+        _drain(worker, 4)
+        assert [index for index, _ in log] == ["load", "ordered", "background"]
+        assert not worker.has_urgent
+
+        gate = _Gate()
+        worker.submit_urgent(gate)
+        assert gate.started.wait(10.0)
+        worker.submit_background(_Record(log, "never"))
+        closing = threading.Thread(target=worker.close)
+        closing.start()
+        while worker.num_queued > 1:  # close() drops the background job, then joins
+            closing.join(0.01)
+        gate.release.set()
+        closing.join(10.0)
+        assert not closing.is_alive()
+    finally:
+        gate.release.set()
+        worker.close()
+    assert "never" not in [index for index, _ in log]

@@ -178,6 +178,9 @@ def test_dtype_resolution():
 
 def test_prepacking_is_refused_where_onednn_cannot_do_it():
     half = load_model("random:tiny-llama", dtype="fp16")
-    assert not half.model.prepacked  # auto: fp16 stays plain
+    # fp16 has no packed layout: an invariant model sums in fixed chunks, plain matrices.
+    assert not half.model.prepacked and half.model.weight_layout == "chunked"
+    fastest = load_model("random:tiny-llama", dtype="fp16", invariant=False)
+    assert fastest.model.weight_layout == "plain"
     with pytest.raises(ValueError, match="prepacking"):
-        load_model("random:tiny-llama", dtype="fp16", prepack_weights=True)
+        load_model("random:tiny-llama", dtype="fp16", prepack_weights=True, invariant=False)

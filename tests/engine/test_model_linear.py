@@ -7,20 +7,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import ENV_VAR, narrow_linears_available, tile_linears_available
+from kernels.backend import (
+    ENV_VAR,
+    narrow_linears_available,
+    pair_linears_available,
+    tile_linears_available,
+)
 from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout, exact_in_bf16
 
 CPU = torch.device("cpu")
 
 
 def _available(dtype):
+    narrow = narrow_linears_available(CPU, dtype)
     return [
         layout
         for layout in WEIGHT_LAYOUTS
-        if layout == "plain"
+        if layout in ("plain", "chunked")
         or (layout == "onednn" and can_prepack(CPU, dtype))
         or (layout == "tiles" and tile_linears_available(CPU, dtype))
-        or (layout == "bf16_blocks" and narrow_linears_available(CPU, dtype))
+        or (layout == "pair_blocks" and pair_linears_available(CPU, dtype))
+        or (layout == "bf16_blocks" and narrow)
+        or (layout == "fp32_blocks" and narrow and dtype == torch.float32)
     ]
 
 
@@ -49,22 +57,31 @@ def test_prepack_weights_picks_a_layout_the_kernels_allow(monkeypatch):
     with pytest.raises(ValueError, match="'tiles' weight layout is not available"):
         choose_layout("tiles", CPU, torch.bfloat16)
     assert choose_layout(False, CPU, torch.bfloat16) == "plain"
-    assert choose_layout(None, CPU, torch.float16) == "plain"
+    # Invariant models (the default) never take torch's own matmuls: chunked without the
+    # native linears; the fastest layout only where invariance is given up.
+    assert choose_layout(None, CPU, torch.float16) == "chunked"
+    assert choose_layout(None, CPU, torch.float16, invariant=False) == "plain"
     with pytest.raises(ValueError, match="needs fp32/bf16"):
-        choose_layout(True, CPU, torch.float16)
+        choose_layout(True, CPU, torch.float16, invariant=False)
     with pytest.raises(ValueError, match="one of"):
         choose_layout("blocked", CPU, torch.float32)
+    assert choose_layout(None, CPU, torch.bfloat16) == "chunked"
     if can_prepack(CPU, torch.bfloat16):
-        assert choose_layout(None, CPU, torch.bfloat16) == "onednn"
+        assert choose_layout(None, CPU, torch.bfloat16, invariant=False) == "onednn"
     monkeypatch.setenv(ENV_VAR, "native")
     if tile_linears_available(CPU, torch.bfloat16):
         assert choose_layout(None, CPU, torch.bfloat16) == "tiles"
         assert choose_layout("onednn", CPU, torch.bfloat16) == "onednn"
+    elif pair_linears_available(CPU, torch.bfloat16):  # AVX512-BF16 without a tile unit
+        assert choose_layout(None, CPU, torch.bfloat16) == "pair_blocks"
+    elif narrow_linears_available(CPU, torch.bfloat16):  # a bf16 model summed in fp32
+        assert choose_layout(None, CPU, torch.bfloat16) == "bf16_blocks"
 
 
 def test_an_fp32_model_reads_bf16_weights_only_where_that_changes_nothing(monkeypatch):
     """bf16_blocks is the fp32 default only for weights exact in bf16 (a bf16 checkpoint);
-    other fp32 weights keep oneDNN's layout unless the layout is asked for by name."""
+    other fp32 weights keep fp32 (fp32_blocks; oneDNN's layout when invariance is given
+    up) unless the layout is asked for by name."""
     monkeypatch.setenv(ENV_VAR, "native")
     gen = torch.Generator().manual_seed(1)
     exact = torch.randn(8, 8, generator=gen).bfloat16().float()
@@ -78,12 +95,12 @@ def test_an_fp32_model_reads_bf16_weights_only_where_that_changes_nothing(monkey
     assert choose_layout(None, CPU, torch.float32, exact_in_bf16=yes) == "bf16_blocks"
     assert choose_layout(True, CPU, torch.float32, exact_in_bf16=yes) == "bf16_blocks"
     fallback = "onednn" if can_prepack(CPU, torch.float32) else "plain"
-    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=no) == fallback
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=no) == "fp32_blocks"
+    assert choose_layout(None, CPU, torch.float32, None, no, invariant=False) == fallback
     assert choose_layout("bf16_blocks", CPU, torch.float32) == "bf16_blocks"
-    with pytest.raises(ValueError, match="'bf16_blocks' weight layout is not available"):
-        choose_layout("bf16_blocks", CPU, torch.bfloat16)  # a bf16 model has its own
     monkeypatch.setenv(ENV_VAR, "torch")
-    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=yes) == fallback
+    assert choose_layout(None, CPU, torch.float32, exact_in_bf16=yes) == "chunked"
+    assert choose_layout(None, CPU, torch.float32, None, yes, invariant=False) == fallback
 
 
 def test_the_weight_dtype_setting_reaches_the_layout(monkeypatch):
@@ -101,7 +118,9 @@ def test_the_weight_dtype_setting_reaches_the_layout(monkeypatch):
         choose_layout(None, CPU, torch.bfloat16, "fp32")
     exact = lambda: True  # noqa: E731
     fallback = "onednn" if can_prepack(CPU, torch.float32) else "plain"
-    assert choose_layout(None, CPU, torch.float32, "fp32", exact) == fallback
+    assert choose_layout(None, CPU, torch.float32, "fp32", exact, invariant=False) == fallback
+    if narrow_linears_available(CPU, torch.float32):
+        assert choose_layout(None, CPU, torch.float32, "fp32", exact) == "fp32_blocks"
     with pytest.raises(ValueError, match="stores bf16 weights"):
         choose_layout("bf16_blocks", CPU, torch.float32, "fp32")
     with pytest.raises(ValueError, match="bf16 weights in an fp32 model are bf16_blocks"):
@@ -117,3 +136,26 @@ def test_the_weight_dtype_setting_reaches_the_layout(monkeypatch):
     assert choose_layout(None, CPU, torch.bfloat16, "bf16") == choose_layout(
         None, CPU, torch.bfloat16
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_layout_sums_a_row_the_same_whatever_the_step(dtype):
+    """torch's own matmuls do not (one row takes a matrix-vector path); chunked calls
+    every matmul at one shape."""
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(300, 576, generator=gen) / 24).to(dtype)
+    x = torch.randn(40, 576, generator=gen).to(dtype)
+    residual = torch.randn(40, 300, generator=gen).to(dtype)
+    linears = LINEARS["chunked"]
+    batch = linears.linear_add(x, weight, residual)
+    for rows in (1, 3, 16, 17, 33):
+        got = linears.linear_add(x[:rows], weight, residual[:rows])
+        assert torch.equal(got, batch[:rows])
+    alone = linears.linear(x[21:22], weight)
+    assert torch.equal(alone[0], linears.linear(x, weight)[21])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linears.linear_add(x, weight, residual), batch)
+    finally:
+        torch.set_num_threads(before)

@@ -93,7 +93,7 @@ def test_the_disk_tier_takes_stores_and_loads_and_hands_back_finished_loads(tmp_
         stores = cache.take_stores()
         io.store(stores)
         assert [s.block_id for s in stores] == cache.block_table("a")[:1]
-        while io.has_unapplied_writes:
+        while io.has_unapplied_io:
             io.wait(0.05)
             assert io.finished_loads() == []  # a write ends no load
         assert io.stats_snapshot()["stored_blocks"] == 1

@@ -1,5 +1,5 @@
-"""kernels.cpu.narrow_linear (kernels/cpu/narrow_linear.c): fp32 linears over bf16- and
-int8-stored weights, against the float64 oracle and the torch twin; one fixed order per
+"""kernels.cpu.narrow_linear (kernels/cpu/narrow_linear.c): fp32 linears over bf16-,
+int8- and fp32-stored weights, against the float64 oracle and the torch twin; one fixed order per
 output, so a row's result does not depend on the rows beside it; its refusals."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from kernels.cpu.narrow_linear import (
     narrow_linear_available,
     narrow_linear_reference,
     pack_bf16_weight,
+    pack_fp32_weight,
     pack_int8_weight,
     quantize_int8,
 )
@@ -23,7 +24,7 @@ needs_kernel = pytest.mark.skipif(
     not AVAILABLE and platform.machine() != "x86_64",
     reason="the kernel is written for x86's AVX2; other CPUs keep oneDNN's linears",
 )
-PACK = {"bf16": pack_bf16_weight, "int8": pack_int8_weight}
+PACK = {"bf16": pack_bf16_weight, "int8": pack_int8_weight, "fp32": pack_fp32_weight}
 
 
 def _inputs(m, n, k, seed=0):
@@ -39,6 +40,8 @@ def _stored(w, format):
     """The weight as the format stores it, in float64."""
     if format == "bf16":
         return w.bfloat16().double()
+    if format == "fp32":
+        return w.double()
     q, scale = quantize_int8(w)
     return q.double() * scale.double()[:, None]
 
@@ -87,7 +90,7 @@ def test_int8_quantization_is_symmetric_per_row_and_keeps_each_rows_peak():
 
 
 @needs_kernel
-@pytest.mark.parametrize("format", ["bf16", "int8"])
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp32"])
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 24, 25, 40])
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (20, 70), (16 * 9, 1)])
 def test_narrow_linear_matches_the_oracle_and_its_twin(format, m, n, k):
@@ -114,10 +117,11 @@ def test_weights_widen_exactly():
     q, scale = quantize_int8(w)
     got = narrow_linear(torch.eye(40), pack_int8_weight(w))
     assert torch.equal(got, (q.float() * scale[:, None]).t())
+    assert torch.equal(narrow_linear(torch.eye(40), pack_fp32_weight(w)), w.t())
 
 
 @needs_kernel
-@pytest.mark.parametrize("format", ["bf16", "int8"])
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp32"])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(format):
     """The property issue 26 needs of the linears: one summation order per output."""
     x, w, bias, residual = _inputs(40, 200, 576, seed=4)  # int8 widens blocks once past 24
@@ -200,7 +204,7 @@ def test_a_build_without_avx2_refuses(tmp_path, monkeypatch):
     args = (x.data_ptr(), 64, 4, weight.packed.data_ptr())
     rest = (None, 32, 64, None, None, 0, out.data_ptr(), 32, 1)
     if AVAILABLE:
-        assert native.require().chatsvc_narrow_linear(*args, 2, *rest) == -1
+        assert native.require().chatsvc_narrow_linear(*args, 3, *rest) == -1
     monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     lib = native.load(native.build("gcc", [*native.default_flags(), "-mno-avx2"]))
     assert lib.chatsvc_narrow_linear_available() == 0

@@ -123,13 +123,15 @@ def test_head_sizes(head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("without", ["amx-tile", "avx512bf16", "avx512f"])
+@pytest.mark.parametrize("without", ["amx-tile", "avx512bf16", "avx512f", "avx2"])
 def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, tmp_path, monkeypatch):
     """The default build takes the best path this CPU has; the others need their own
     builds: without AVX512-BF16, bf16 is widened to fp32 on AVX-512; without AVX-512,
-    plain C (elsewhere than x86 the default build is that path)."""
+    on AVX2; without AVX2 either, plain C (elsewhere than x86 the default build is that
+    path)."""
     monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
-    flags = [f"-mno-{without}"] if platform.machine() == "x86_64" else []
+    flags = {"avx2": ["-mno-avx512f", "-mno-avx2"]}.get(without, [f"-mno-{without}"])
+    flags = flags if platform.machine() == "x86_64" else []
     lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
     _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
     _check([900], [5], 16, 1, 4, 128, dtype, lib)

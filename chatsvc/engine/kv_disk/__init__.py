@@ -4,8 +4,12 @@
     fileformat.py    a block file: header, name, checksum, the checks on load
     directory.py     the tier's directory: modes, lock, start-up scan, default budget
     buffers.py       pool blocks as byte buffers; the snapshot buffers writes go through
-    jobs.py          write / load / delete jobs, run on the I/O thread
-    worker.py        the I/O thread (loads first, then the rest in order)
+    jobs.py          write / readahead / delete / barrier jobs, run on the I/O thread
+    load_job.py      a load job: one block from its file (or the preload's copy) into the pool
+    loads.py         LoadQueue: the loads of admitted sequences and their results
+    worker.py        the I/O thread (loads first, then the rest in order, background last)
+    probe.py         the warm-up's load: one scratch block through the load path
+    preload.py       after a restart, the most recent chains read into memory while idle
     stats.py         traffic counters and the load latency histogram
     step_io.py       DiskStepIO: the engine-thread side, between cache/ and the files;
                      the engine's StepIO (chatsvc/engine/step_io.py) when the tier is on
@@ -59,6 +63,7 @@ def open_disk_tier(config, loaded, cache, kv_pool, host_pool, clock=None) -> Dis
         queue_blocks=config.kv_disk_queue_blocks,
         retry_s=float(config.kv_disk_retry_s),
         load_threads=config.kv_disk_load_threads,
+        preload_bytes=config.kv_disk_preload_bytes,
     )
     kwargs = {} if clock is None else {"clock": clock}
     try:

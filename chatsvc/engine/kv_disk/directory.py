@@ -106,13 +106,19 @@ class TierDirectory:
     def block_path(self, meta: BlockMeta) -> Path:
         return self.subdir(meta.hash) / file_name(meta)
 
+    def scratch_path(self, name: str) -> Path:
+        """A file for this process's own use (the warm-up's probe block): no block has
+        its name, and the start-up scan removes it if a crash leaves it."""
+        return self.path / f"{TMP_PREFIX}{name}-{os.getpid()}"
+
     @property
     def forgotten(self) -> Path:
         """The list of block files deleted (forgotten) whose unlink failed (``DeleteJob``)."""
         return self.path / "forgotten"
 
     def scan(self) -> list[FoundBlock]:
-        """Every block file (from names and mtimes only); leftovers of crashed writes go.
+        """Every block file (from names and mtimes only); leftovers of crashed writes and
+        scratch files go.
 
         O(files): one directory listing per subdirectory and one stat per file. A
         file the ``forgotten`` list names is never found: its unlink is retried, and
@@ -123,6 +129,8 @@ class TierDirectory:
         found = []
         for sub in os.scandir(self.path):
             if not sub.is_dir(follow_symlinks=False):
+                if sub.name.startswith(TMP_PREFIX):
+                    _unlink(sub.path)  # a crashed process's scratch or temporary file
                 continue
             if sub.stat(follow_symlinks=False).st_mode & 0o777 != DIR_MODE:
                 os.chmod(sub.path, DIR_MODE)

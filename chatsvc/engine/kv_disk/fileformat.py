@@ -130,6 +130,33 @@ def verify(
 ) -> str:
     """Check a block read from disk before its KV is used; returns OK or the failure."""
     block_size = len(token_ids)
+    result = verify_file(
+        header, data, num_read, fingerprint, expected_hash, expected_parent, block_size, data_nbytes
+    )
+    if result != OK:
+        return result
+    if stored_tokens(header, block_size) != token_ids:
+        return MISMATCH
+    # The chained hash ties tokens, parent and namespace together: a block of
+    # another tenant can never pass, whatever its name says.
+    if BlockHasher(block_size).hash_block(expected_parent, token_ids, ns_key) != expected_hash:
+        return MISMATCH
+    return OK
+
+
+def verify_file(
+    header: bytes | bytearray | memoryview,
+    data,
+    num_read: int,
+    fingerprint: bytes,
+    expected_hash: bytes,
+    expected_parent: bytes,
+    block_size: int,
+    data_nbytes: int,
+) -> str:
+    """The checks of ``verify`` that need no requester: the file is whole (size,
+    checksum), of this fingerprint and layout, and is the block its name says.
+    Whose block it is (its tokens under the requester's namespace) is ``verify``'s."""
     size = header_len(block_size)
     if num_read != size + data_nbytes or len(header) != size:
         return CORRUPT  # truncated, or longer than a block: not a file we wrote
@@ -144,11 +171,9 @@ def verify(
         return FOREIGN
     if hash_ != expected_hash or parent != expected_parent:
         return CORRUPT  # intact but filed under another name
-    stored_tokens = struct.unpack_from(f"<{block_size}I", header, HEADER_STRUCT.size)
-    if stored_tokens != token_ids:
-        return MISMATCH
-    # The chained hash ties tokens, parent and namespace together: a block of
-    # another tenant can never pass, whatever its name says.
-    if BlockHasher(block_size).hash_block(parent, stored_tokens, ns_key) != expected_hash:
-        return MISMATCH
     return OK
+
+
+def stored_tokens(header: bytes | bytearray | memoryview, block_size: int) -> tuple[int, ...]:
+    """The token ids a (verified) header holds."""
+    return struct.unpack_from(f"<{block_size}I", header, HEADER_STRUCT.size)

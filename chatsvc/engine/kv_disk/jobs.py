@@ -1,31 +1,20 @@
-"""The disk tier's jobs, each run once on the I/O thread; results stay on the job.
+"""The disk tier's jobs but loads (``load_job.py``), each run once on an I/O thread;
+results stay on the job.
 
-A job touches only what it was handed: a snapshot buffer (writes), the pool
-block its sequence holds while it loads (loads), paths (deletes). The engine
-thread reads the results after the worker lists the job as done.
+A job touches only what it was handed: a snapshot buffer (writes), paths
+(readahead hints, deletes). The engine thread reads the results after the
+worker lists the job as done.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from cache.plan import DiskLoad
-from chatsvc.engine.kv_disk.fileformat import (
-    CORRUPT,
-    FOREIGN,
-    OK,
-    TMP_PREFIX,
-    BlockMeta,
-    encode_header,
-    header_len,
-    verify,
-)
+from chatsvc.engine.kv_disk.fileformat import TMP_PREFIX, BlockMeta, encode_header
 
-MISSING, READ_ERROR = "missing", "read_error"
 _names = itertools.count()
 
 
@@ -95,124 +84,6 @@ def _write_file(path: Path, parts: list, fsync: bool) -> None:
         except OSError:
             pass
         raise
-
-
-class LoadGroup:
-    """The loads of one sequence: the I/O threads count them down (under their lock)."""
-
-    __slots__ = ("remaining",)
-
-    def __init__(self, count: int) -> None:
-        self.remaining = count
-
-
-class LoadJob:
-    """Read one block into the pool block its sequence holds, and verify it.
-
-    On a CPU pool ``dest`` is the pool block's own memory: one ``preadv`` fills
-    the header buffer and the block. With a CUDA pool ``dest`` is a pool of
-    pinned staging buffers (one per load thread, so one is always free): the
-    block is read into one, and copied to ``device_block`` on the worker's
-    stream once verified (after ``ready``: the step's plans, which may have held
-    the block's previous data, ran first).
-    """
-
-    kind = "load"
-
-    def __init__(
-        self,
-        seq_id,
-        index: int,
-        load: DiskLoad,
-        path: Path,
-        dest,
-        fingerprint: bytes,
-        data_nbytes: int,
-        device_block=None,
-        ready=None,
-        stream=None,
-    ) -> None:
-        self.seq_id = seq_id
-        self.index = index
-        self.load = load
-        self.path = path
-        self.dest = dest
-        self.fingerprint = fingerprint
-        self.data_nbytes = data_nbytes
-        self.device_block = device_block
-        self.ready = ready
-        self.stream = stream
-        self.group: LoadGroup | None = None
-        self.result = READ_ERROR
-        self.error: OSError | None = None
-        self.submitted = time.perf_counter()
-        self.latency_s = 0.0
-
-    def run(self) -> None:
-        try:
-            self.result = self._read()
-        except OSError as exc:
-            self.error = exc
-            self.result = READ_ERROR
-        self.latency_s = time.perf_counter() - self.submitted
-
-    def _read(self) -> str:
-        if self.device_block is None:
-            return self._read_into(self.dest)
-        staging = self.dest.take()
-        try:
-            return self._read_into(staging)
-        finally:
-            staging.release()
-
-    def _read_into(self, dest) -> str:
-        load = self.load
-        header = bytearray(header_len(len(load.token_ids)))
-        data = dest.view
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return MISSING
-        try:
-            size = os.fstat(fd).st_size
-            num_read = os.preadv(fd, [header, data], 0)
-        finally:
-            os.close(fd)
-        result = verify(
-            header,
-            data,
-            num_read if size == num_read else -1,
-            self.fingerprint,
-            load.hash,
-            load.parent_hash,
-            load.token_ids,
-            load.ns_key,
-            self.data_nbytes,
-        )
-        if result in (CORRUPT, FOREIGN):
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            return result
-        if result != OK:
-            return result
-        if self.device_block is not None:
-            self._to_device(dest)
-        try:
-            os.utime(self.path)  # the block's recency survives a restart
-        except OSError:
-            pass
-        return OK
-
-    def _to_device(self, staging) -> None:
-        import torch
-
-        with torch.cuda.stream(self.stream):
-            if self.ready is not None:
-                self.stream.wait_event(self.ready)
-            self.device_block.copy_(staging.tensor, non_blocking=True)
-        self.stream.synchronize()
 
 
 class PrefetchJob:

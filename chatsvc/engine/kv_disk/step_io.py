@@ -12,9 +12,13 @@ the start of the next step; the step loop never waits for them.
              (``submit``: a plan may have held those blocks' old data)
     I/O      on the load threads, each block read straight into its pool block
              (CPU) or through a pinned buffer (CUDA), verified (checksum,
-             fingerprint, hash, parent, tokens, namespace)
+             fingerprint, hash, parent, tokens, namespace): ``loads.py``
     step N+k ``finished_loads``: the sequence and its verified prefix, which the
              scheduler counts as computed; it runs and prefills only the rest
+
+After a restart, once the engine serves, the most recently used chains are read
+into memory while no request runs (``preload.py``, started by ``start_preload``
+and driven by ``idle``); a load of such a block then reads no file.
 
 Writes: write-through stores every newly indexed block once, right after the
 step that computed it; in both modes a block dropped from the memory tiers
@@ -41,18 +45,13 @@ from cache import KVCacheManager
 from cache.disk_index import DiskIndex
 from cache.namespace import PUBLIC_KEY
 from cache.plan import BlockStore
-from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock, block_bytes
+from chatsvc.engine.kv_disk.buffers import BufferPool, block_bytes
 from chatsvc.engine.kv_disk.directory import TierDirectory
-from chatsvc.engine.kv_disk.fileformat import CORRUPT, FOREIGN, OK, BlockMeta, header_len
-from chatsvc.engine.kv_disk.jobs import (
-    MISSING,
-    BarrierJob,
-    DeleteJob,
-    LoadGroup,
-    LoadJob,
-    PrefetchJob,
-    WriteJob,
-)
+from chatsvc.engine.kv_disk.fileformat import CORRUPT, FOREIGN, BlockMeta, header_len
+from chatsvc.engine.kv_disk.jobs import BarrierJob, DeleteJob, WriteJob
+from chatsvc.engine.kv_disk.loads import LoadQueue
+from chatsvc.engine.kv_disk.preload import Preload, PreloadJob
+from chatsvc.engine.kv_disk.probe import probe_load
 from chatsvc.engine.kv_disk.stats import DiskStats
 from chatsvc.engine.kv_disk.worker import IOWorker
 from chatsvc.engine.step_io import FinishedLoad, SequenceLoads
@@ -71,25 +70,7 @@ class DiskSettings:
     queue_blocks: int = 64  # snapshot buffers: stores in flight at most
     retry_s: float = 10.0  # pause of writes after a write error
     load_threads: int = 2  # I/O threads that read blocks (the first also runs the writes)
-
-
-class _Loading:
-    """The loads of one sequence: which finished, and how."""
-
-    __slots__ = ("seq", "results", "remaining")
-
-    def __init__(self, seq, num_loads: int) -> None:
-        self.seq = seq
-        self.results: list[str | None] = [None] * num_loads
-        self.remaining = num_loads
-
-    def num_usable(self) -> int:
-        count = 0
-        for result in self.results:
-            if result != OK:
-                break
-            count += 1
-        return count
+    preload_bytes: int = 0  # at most this much of the blocks read into memory after a restart
 
 
 class DiskStepIO:
@@ -121,17 +102,34 @@ class DiskStepIO:
         self.stats = DiskStats()
         self.worker = IOWorker(num_loaders=settings.load_threads)
         self.buffers = BufferPool(settings.queue_blocks, block_nbytes, pin=self.cuda)
-        # One pinned staging buffer per load thread: a load always finds one free.
-        self._staging = (
-            BufferPool(settings.load_threads, block_nbytes, pin=True) if self.cuda else None
-        )
-        self._copy_stream = torch.cuda.Stream(kv_pool.device) if self.cuda else None
-        self._loading: dict[object, _Loading] = {}
         self._paused_until: float | None = None
         self._next_budget_check = 0.0
         self.index = DiskIndex(self.file_nbytes, settings.budget_bytes or 0)
         self.num_found = self._rebuild()
         cache.attach_disk(self.index, clock, settings.write_through)
+        self.loads = LoadQueue(
+            self.index,
+            directory,
+            self.worker,
+            kv_pool,
+            fingerprint,
+            block_nbytes,
+            self.file_nbytes,
+            settings.load_threads,
+            self.stats,
+        )
+        self.preload: Preload | None = None
+        if settings.preload_bytes >= self.file_nbytes:
+            self.preload = self.loads.preload = Preload(
+                self.index,
+                directory.block_path,
+                fingerprint,
+                block_size,
+                block_nbytes,
+                self.worker,
+                cache.tiers.index.is_occupied,
+                pin=self.cuda,
+            )
 
     def use_clock(self, clock) -> None:
         """Take recency and pauses from ``clock`` (tests and benchmarks step time)."""
@@ -159,10 +157,12 @@ class DiskStepIO:
     # -- the step loop (StepIO) ----------------------------------------------------
 
     @property
-    def has_unapplied_writes(self) -> bool:
+    def has_unapplied_io(self) -> bool:
         """Writes queued whose results this thread has not taken in (``finished_loads``):
-        until then their blocks count as writing and their buffers are not free."""
-        return bool(self.index.writing)
+        until then their blocks count as writing and their buffers are not free; or a
+        preload under way, which only goes on while this thread calls ``idle``."""
+        preloading = self.preload is not None and self.preload.is_active
+        return bool(self.index.writing) or preloading
 
     def finished_loads(self) -> list[FinishedLoad]:
         """Apply finished jobs: writes join the index; returns the sequences whose loads
@@ -172,9 +172,13 @@ class DiskStepIO:
             if job.kind == "write":
                 self._write_done(job)
             elif job.kind == "load":
-                state = self._load_done(job)
-                if state is not None:
-                    finished.append(self._finished(state))
+                ended = self.loads.done(job)
+                if ended is not None:
+                    finished.append(ended)
+            elif job.kind == "preload":
+                self._preload_done(job)
+        if self.preload is not None:
+            self.preload.expire(self.clock())
         if self.settings.budget_bytes is None and self.clock() >= self._next_budget_check:
             budget = self._budget(self.index.used_bytes)
             self._delete(self.index.set_budget(budget))
@@ -186,52 +190,25 @@ class DiskStepIO:
         Returns the sequences none of whose blocks is on disk any more (evicted
         since they were matched, in this very step): they ended without I/O.
         """
+        return self.loads.submit(loads)
+
+    def snapshot(self, pool: torch.Tensor, block: int):
+        """A copy of a pool block in a snapshot buffer: (buffer, CUDA event or None), or
+        None when no buffer is free."""
+        buffer = self.buffers.take()
+        if buffer is None:
+            return None
+        source = block_bytes(pool, block)
         ready = None
-        if self.cuda and loads:
+        if source.is_cuda:
+            buffer.tensor.copy_(source, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        ended = []
-        for seq, seq_loads in loads:
-            state = _Loading(seq, len(seq_loads))
-            self._loading[seq.seq_id] = state
-            jobs = []
-            for i, load in enumerate(seq_loads):
-                entry = self.index.entries.get(load.hash)
-                if entry is None:
-                    # Evicted from the budget since it was matched, in this very step.
-                    state.results[i] = MISSING
-                    state.remaining -= 1
-                    continue
-                meta = BlockMeta(entry.hash, entry.parent_hash, entry.owner, entry.shared)
-                path = self.directory.block_path(meta)
-                if self.cuda:
-                    job = LoadJob(
-                        seq.seq_id,
-                        i,
-                        load,
-                        path,
-                        self._staging,
-                        self.fingerprint,
-                        self.block_nbytes,
-                        device_block=block_bytes(self.kv_pool, load.device_block),
-                        ready=ready,
-                        stream=self._copy_stream,
-                    )
-                else:
-                    dest = PoolBlock(self.kv_pool, load.device_block)
-                    job = LoadJob(
-                        seq.seq_id, i, load, path, dest, self.fingerprint, self.block_nbytes
-                    )
-                jobs.append(job)
-            if len(jobs) > 1:
-                self.worker.submit_urgent(PrefetchJob([job.path for job in jobs]))
-            group = LoadGroup(len(jobs))
-            for job in jobs:
-                job.group = group
-                self.worker.submit_urgent(job)
-            if state.remaining == 0:
-                ended.append(self._finished(state))
-        return ended
+        else:
+            # A plain memcpy: a torch copy this size wakes its OpenMP team, whose
+            # spinning workers then starve the I/O thread on a small machine.
+            buffer.view[:] = memoryview(source.numpy())
+        return buffer, ready
 
     def store(self, stores: Items[BlockStore]) -> None:
         """Snapshot blocks and queue their writes; drops what cannot be stored now."""
@@ -250,22 +227,13 @@ class DiskStepIO:
             self._delete(reservation.evicted)
             if not reservation.granted:
                 continue  # already stored or queued, or refused by the budget (counted)
-            buffer = self.buffers.take()
-            if buffer is None:
+            pool = self.kv_pool if store.location == "device" else self.host_pool
+            snapshot = self.snapshot(pool, store.block_id)
+            if snapshot is None:
                 index.finish_write(store.hash, self.clock(), ok=False)
                 self.stats.dropped["queue_full"] += 1
                 continue
-            pool = self.kv_pool if store.location == "device" else self.host_pool
-            source = block_bytes(pool, store.block_id)
-            ready = None
-            if source.is_cuda:
-                buffer.tensor.copy_(source, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-            else:
-                # A plain memcpy: a torch copy this size wakes its OpenMP team, whose
-                # spinning workers then starve the I/O thread on a small machine.
-                buffer.view[:] = memoryview(source.numpy())
+            buffer, ready = snapshot
             meta = BlockMeta(store.hash, store.parent_hash, store.owner, store.shared)
             job = WriteJob(
                 self.directory.block_path(meta),
@@ -280,6 +248,31 @@ class DiskStepIO:
 
     def wait(self, timeout_s: float) -> None:
         self.worker.wait(timeout_s)
+
+    def idle(self) -> None:
+        """The engine has no request: the preload may read on."""
+        if self.preload is not None:
+            self.preload.pump(self.clock())
+
+    # -- start-up: the warm-up's load, the preload -----------------------------------
+
+    def warm_up_load(self, timeout_s: float) -> str:
+        """One block through the load path before the engine serves (``kv_disk/probe.py``);
+        "ok" or what failed. Changes nothing the cache, the tier or its statistics hold."""
+        free = self.cache.tiers.device.free_block_ids()
+        if not free:
+            return "no free block"
+        return probe_load(self, free[-1], timeout_s)
+
+    def start_preload(self) -> int:
+        """Read the most recently used chains into memory in the background, up to the
+        setting's bytes and the pool's size (``kv_disk/preload.py``); blocks planned."""
+        if self.preload is None:
+            return 0
+        max_blocks = min(self.settings.preload_bytes // self.file_nbytes, self.kv_pool.shape[0])
+        planned = self.preload.start(max_blocks, self.clock())
+        self.preload.pump(self.clock())
+        return planned
 
     # -- results ------------------------------------------------------------------
 
@@ -305,34 +298,16 @@ class DiskStepIO:
             )
         self._paused_until = self.clock() + self.settings.retry_s
 
-    def _load_done(self, job: LoadJob) -> _Loading | None:
-        """Record one load's result; returns its sequence's loads once all ended."""
-        state = self._loading.get(job.seq_id)
-        if state is None:
-            return None
-        state.results[job.index] = job.result
-        state.remaining -= 1
-        stats = self.stats
-        if job.result == OK:
-            stats.loaded_blocks += 1
-            stats.loaded_bytes += self.file_nbytes
-            stats.observe_load(job.latency_s)
-        else:
-            stats.load_misses += 1
-            if job.result in (CORRUPT, FOREIGN):
-                stats.dropped[job.result] += 1
+    def _preload_done(self, job: PreloadJob) -> None:
+        for hash_, result in self.preload.done(job, self.clock()):
+            if result in (CORRUPT, FOREIGN):
+                self.stats.dropped[result] += 1
                 log.warning(
-                    "KV disk tier: block %s failed its check (%s); deleted, recomputed",
-                    job.load.hash.hex()[:16],
-                    job.result,
+                    "KV disk tier: block %s failed its check (%s) in the preload; deleted",
+                    hash_.hex()[:16],
+                    result,
                 )
-            if job.result in (CORRUPT, FOREIGN, MISSING):
-                self.index.remove(job.load.hash)
-        return state if state.remaining == 0 else None
-
-    def _finished(self, state: _Loading) -> FinishedLoad:
-        self._loading.pop(state.seq.seq_id, None)
-        return FinishedLoad(state.seq, state.num_usable())
+            self.loads.unindex(hash_)
 
     # -- deletion, shutdown, statistics --------------------------------------------
 
@@ -355,6 +330,8 @@ class DiskStepIO:
         return counts, done
 
     def _delete(self, entries, barrier: bool = False) -> Future | None:
+        if entries and self.preload is not None:
+            self.preload.drop(e.hash for e in entries)
         if entries:
             paths = [
                 self.directory.block_path(BlockMeta(e.hash, e.parent_hash, e.owner, e.shared))
@@ -369,6 +346,8 @@ class DiskStepIO:
 
     def close(self) -> None:
         """Store what only the memory tiers hold, finish queued jobs, release the directory."""
+        if self.preload is not None:
+            self.preload.stop(self.clock())
         try:
             self._flush()
         finally:
@@ -421,7 +400,9 @@ class DiskStepIO:
                 "budget_bytes": index.budget_bytes,
                 "writes_paused": self._paused_until is not None,
                 "queued_jobs": self.worker.num_queued,
-                "loading_sequences": len(self._loading),
+                "loading_sequences": len(self.loads),
             }
         )
+        if self.preload is not None:
+            snapshot["preload"] = self.preload.snapshot()
         return snapshot

@@ -1,11 +1,14 @@
 """The disk tier's I/O threads: run jobs off the engine's step loop.
 
-Two queues: loads (a request waits on them) and the rest, in order (writes,
-deletes, barriers). One thread takes loads first, then the ordered jobs one
+Three queues: loads (a request waits on them), the rest in order (writes,
+deletes, barriers), and background work (the preload after a restart, which no
+request waits on). One thread takes loads first, then the ordered jobs one
 at a time, so a delete queued after a write of the same block always runs
 after it; ``num_loaders - 1`` more threads take only loads, so a burst of
 returning sessions reads several blocks at once (the reads, the checksum and
-the copy release the GIL). Loads need no order among themselves: each one
+the copy release the GIL). Every thread takes background work only when it
+has nothing else, and a background job looks at ``has_urgent`` between blocks
+to give way to a request's loads. Loads need no order among themselves: each one
 fills its own pool block and reports its own index. Writes are bounded by the
 snapshot buffers the engine hands out; nothing here ever blocks the
 submitter. Finished jobs are collected by the engine thread with
@@ -32,6 +35,7 @@ class IOWorker:
             raise ValueError(f"num_loaders must be >= 1, got {num_loaders}")
         self._urgent: deque = deque()
         self._ordered: deque = deque()
+        self._background: deque = deque()
         self._done: list = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -55,6 +59,16 @@ class IOWorker:
             self._ordered.append(job)
             self._cond.notify_all()
 
+    def submit_background(self, job) -> None:
+        with self._cond:
+            self._background.append(job)
+            self._cond.notify_all()
+
+    @property
+    def has_urgent(self) -> bool:
+        """A request's load is queued (a background job gives way between its blocks)."""
+        return bool(self._urgent)
+
     def take_done(self) -> list:
         with self._cond:
             done, self._done = self._done, []
@@ -64,16 +78,17 @@ class IOWorker:
     @property
     def num_queued(self) -> int:
         with self._cond:
-            return len(self._urgent) + len(self._ordered) + self._busy
+            return len(self._urgent) + len(self._ordered) + len(self._background) + self._busy
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until some job finished (or ``timeout_s``); True if one did."""
         return self.finished.wait(timeout_s)
 
     def close(self) -> None:
-        """Run what is queued, then stop the threads."""
+        """Run what is queued, but background work, then stop the threads."""
         with self._cond:
             self._stopping = True
+            self._background.clear()
             self._cond.notify_all()
         for thread in self._threads:
             thread.join()
@@ -87,6 +102,9 @@ class IOWorker:
                     break
                 if ordered and self._ordered:
                     job = self._ordered.popleft()
+                    break
+                if self._background and not self._stopping:
+                    job = self._background.popleft()
                     break
                 if self._stopping:
                     return None
