@@ -13,6 +13,10 @@ Beam search (``beam_width`` >= 2): the request's rows go to its ``BeamSearch``
 fork, take over or drop sequences on the block table, and when it ends the ``n``
 best hypotheses come back as one delta each (nothing is streamed before).
 
+Speculative decoding (``speculative/``, off unless configured): a decode may carry
+proposals; ``_verify`` keeps those the request's own picks confirm (greedy: the tokens
+it produces without speculation) and the scheduler rolls the cache back to them.
+
 Failure isolation: a failure that belongs to one request (non-finite logits in
 its row, its sampling, its stop handling or detokenization, a forward pass that
 fails with it alone) ends that request with EngineInternalError and frees its
