@@ -229,7 +229,8 @@ class Scheduler:
             if shares.fit(seq, 1) < 1:
                 continue
             # Speculation spends only what every later decode leaves over.
-            draft = self._draft(seq, min(budget - 1 - num_left, shares.fit(seq, budget) - 1))
+            spare = min(budget - 1 - num_left, shares.fit(seq, budget) - 1)
+            draft = self._draft(seq, spare, len(decodes))
             slots = self._append_decode_slot(seq, scheduled_ids, out, draft, num_left)
             if slots is None:
                 continue
@@ -312,11 +313,11 @@ class Scheduler:
         self.num_steps += 1
         return True
 
-    def _draft(self, seq: Sequence, spare: int) -> list[int]:
+    def _draft(self, seq: Sequence, spare: int, num_decoding: int) -> list[int]:
         """Proposals for ``seq``'s decode (none without a speculator or spare budget)."""
         if self.speculator is None or spare < 1:
             return []
-        return self.speculator.draft(seq, spare)
+        return self.speculator.draft(seq, spare, num_decoding)
 
     def _fit_draft(self, seq: Sequence, draft: list[int], num_left: int) -> list[int]:
         """``draft`` cut to the blocks speculation may take: free ones (never an eviction

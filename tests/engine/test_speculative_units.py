@@ -9,7 +9,7 @@ import torch
 from chatsvc.engine.sampling import filtered_probs, make_generator, sample_rows
 from chatsvc.engine.speculative import AdaptiveK
 from chatsvc.engine.speculative.ngram import NgramIndex
-from chatsvc.engine.speculative.proposer import MAX_COOLDOWN
+from chatsvc.engine.speculative.proposer import MAX_COOLDOWN, worth
 from chatsvc.engine.speculative.suffix import TenantOutputs
 from chatsvc.engine.speculative.verify import verify_draft
 from chatsvc.protocol import SamplingParams
@@ -115,3 +115,13 @@ def test_verification_stops_at_the_first_mismatch_and_at_the_end_of_the_request(
     emitted = []
     assert verify_draft(rows, [3, 4, 1], pick, lambda t: emitted.append(t) or len(emitted) == 2)
     assert emitted == [3, 4]  # the request ended at its second token
+
+
+def test_a_crowded_step_asks_more_of_its_proposals():
+    assert worth(1) < 0.25 < 0.6 < worth(8) < 1.0
+    alone, crowded = AdaptiveK(max_k=4), AdaptiveK(max_k=4)
+    for _ in range(2):  # half of the proposals kept, twice
+        alone.record(4, 2, worth(1))
+        crowded.record(4, 2, worth(8))
+    assert alone.wanted() == 3  # pays alone: goes on
+    assert crowded.wanted() == 0  # does not among 8 decodes: backs off

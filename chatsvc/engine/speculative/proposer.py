@@ -7,10 +7,19 @@ sequence's context and its ``AdaptiveK``.
 
 Adaptive k: a verification that accepted ``a`` of ``k`` proposals sets the next
 ``k`` to ``a + 1`` (within ``1..max_k``): text being copied keeps its full run, text
-that diverges pays for one wasted row. Two verifications in a row that accept none
-back off: no proposal for ``cooldown`` steps, doubling up to ``MAX_COOLDOWN`` while it
-keeps failing, so a request whose proposals rarely hit decodes one token per step
+that diverges pays for one wasted row. Two verifications in a row that miss back
+off: no proposal for ``cooldown`` steps, doubling up to ``MAX_COOLDOWN`` while it
+keeps missing, so a request whose proposals rarely hit decodes one token per step
 almost always. A lookup that finds nothing costs the lookup only.
+
+A miss is a verification that kept fewer than ``worth(n) = n / (n + ROW_COST_RATIO)``
+of its proposals, ``n`` the sequences decoding in its step. A step costs about a
+fixed part (reading the weights) plus a part per row; a proposal costs one row and
+brings a token with the probability it is kept, so it pays when that probability
+beats a row's share of a decode's cost, ``n c / (W + n c)`` with ``W / c =
+ROW_COST_RATIO``. Alone (n = 1) a kept fifth pays; among 8 decodes two thirds must be
+kept. ``ROW_COST_RATIO`` is measured on the 2-core Zen 4 EPYC (docs/benchmarks.md,
+"Speculative decoding"); a GPU's rows cost far less (a larger ratio).
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ MIN_N = 2  # a 1-token match proposes noise more often than text
 MAX_N = 4
 MAX_COOLDOWN = 32  # steps without proposals after repeated misses, at most
 MISSES_TO_BACK_OFF = 2
+ROW_COST_RATIO = 4.0  # a step's fixed cost over one row's, W / c (module doc)
+
+
+def worth(num_decoding: int) -> float:
+    """The share of its proposals a verification must keep to pay for its rows."""
+    return num_decoding / (num_decoding + ROW_COST_RATIO)
 
 
 class Proposer(Protocol):
@@ -58,11 +73,13 @@ class AdaptiveK:
             return 0
         return self.k
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, needed: float = 0.0) -> None:
+        """A verification kept ``accepted`` of ``proposed``; fewer than ``needed`` of them
+        (a share) or none is a miss."""
         self.num_proposed += proposed
         self.num_accepted += accepted
         self.k = max(1, min(self.max_k, accepted + 1))
-        if accepted:
+        if accepted and accepted >= needed * proposed:
             self.misses = 0
             self.backoff = 1
             return
@@ -79,6 +96,7 @@ class SequenceSpeculation:
 
     adaptive: AdaptiveK
     index: NgramIndex = field(default_factory=lambda: NgramIndex(MIN_N, MAX_N))
+    needed: float = 0.0  # worth() of the step its last proposals rode in
 
 
 class Speculator:
@@ -102,9 +120,10 @@ class Speculator:
         params = seq.sampling
         return seq.beams is None and params.prompt_logprobs is None
 
-    def draft(self, seq: Sequence, limit: int) -> list[int]:
+    def draft(self, seq: Sequence, limit: int, num_decoding: int = 1) -> list[int]:
         """Proposals for ``seq``'s next decode step, at most ``limit`` (the step's spare
-        token budget) and never past its ``max_tokens`` or the context."""
+        token budget) and never past its ``max_tokens`` or the context;
+        ``num_decoding``: the sequences decoding in the step (``worth``)."""
         state = seq.speculation
         if state is None:
             if not self.applies_to(seq):
@@ -117,6 +136,7 @@ class Speculator:
         )
         if room < 1:
             return []
+        state.needed = worth(num_decoding)
         k = min(state.adaptive.wanted(), room)
         if k < 1:
             return []
@@ -131,8 +151,9 @@ class Speculator:
         self.num_proposed += proposed
         self.num_accepted += accepted
         self.num_verifications += 1
-        if seq.speculation is not None:
-            seq.speculation.adaptive.record(proposed, accepted)
+        state = seq.speculation
+        if state is not None:
+            state.adaptive.record(proposed, accepted, state.needed)
 
     def finished(self, seq: Sequence) -> None:
         """A sample ended: its output joins its tenant's documents (``suffix``)."""
