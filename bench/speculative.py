@@ -18,12 +18,14 @@ turn whose answer the model wrote itself (greedy, computed once before measuring
 Each engine (``off`` and each mode) has its own cache and sees every prompt once, in
 groups of ``batch`` requests submitted together, the engines taking turns group by
 group (the first engine of each group alternates), so drift on a shared machine
-falls on both. A group's decode time runs from the step where every request of it has
-its first token to its end; its decode tokens are those produced in that time (the
-prefill is the same work with speculation on or off and is left out). Prints, per
-workload and batch: decode tokens/s off and on, the ratio (summed tokens over summed
-time, and the median of the groups' ratios), the acceptance rate (accepted /
-proposed tokens) and whether every greedy output equals the one without speculation.
+falls on both. Each workload and batch runs as a tenant of its own, so ``suffix``
+proposes from the outputs of the measurement's earlier prompts only. A group's
+decode time runs from the step where every request of it has its first token to its
+end; its decode tokens are those produced in that time (the prefill is the same work
+with speculation on or off and is left out). Prints, per workload and batch: decode
+tokens/s off and on, the ratio (summed tokens over summed time, and the median of the
+groups' ratios), the acceptance rate (accepted / proposed tokens) and whether every
+greedy output equals the one without speculation.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ def second_turns(engine: LLMEngine, pairs, max_tokens: int, batch: int) -> list[
 
 def measure(engines: dict, prompts: list[list[int]], max_tokens: int, batch: int, tag: str):
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    # A tenant per measurement: ``suffix`` never proposes an answer it gave to the same
+    # prompt in an earlier measurement.
+    ns = Namespace(tenant_salt=tag.encode(), label=tag)
     names = list(engines)
     seconds = {name: 0.0 for name in names}
     tokens = {name: 0 for name in names}
@@ -118,7 +123,7 @@ def measure(engines: dict, prompts: list[list[int]], max_tokens: int, batch: int
         results = {}
         for name in order:
             requests = [
-                GenerationRequest(f"{tag}-{name}-{start + i}", p, greedy, NS)
+                GenerationRequest(f"{tag}-{name}-{start + i}", p, greedy, ns)
                 for i, p in enumerate(group)
             ]
             outputs, spent, count = run_group(engines[name], requests)
