@@ -6,6 +6,10 @@
  *   attention_portable.c  the widening loops in portable C (builds without AVX-512 or AVX2)
  *   attention_avx2.c      the widening loops on AVX2 + FMA (K and V widened to fp32)
  *   attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
+ *
+ * int8 caches take the widening loops on every CPU: K and V rows widened from int8,
+ * each key's scale applied to its score (one multiply per score) and each value's
+ * scale folded into its weight (p_t * s_t; the softmax sum l keeps the unscaled p).
  *   attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
  *   attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)
  *   attention_walk.h      the walk of a work item over its keys, written once for the paths
@@ -40,12 +44,18 @@ typedef struct {
     int64_t q_stride_t, q_stride_h;
     const void *k, *v;
     int64_t kv_stride_block, kv_stride_slot, kv_stride_head;
+    /* int8 caches (kv_dtype DTYPE_INT8, kernels/kv_layout.py): each (token, head) row's
+     * scale, bf16; NULL for float caches. */
+    const uint16_t *k_scale, *v_scale;
+    int64_t scale_stride_block, scale_stride_slot, scale_stride_head;
     void *out;
     int64_t out_stride_t, out_stride_h;
     const int32_t *block_tables;
     int64_t table_stride;
     const int32_t *query_start, *context_lens;
-    int32_t num_q_heads, num_kv_heads, block_size, q_tile, dtype;
+    int32_t num_q_heads, num_kv_heads, block_size, q_tile;
+    int32_t dtype;    /* the query's and the output's */
+    int32_t kv_dtype; /* the caches': dtype, or DTYPE_INT8 */
     float scale_log2;
 } Args;
 
@@ -85,14 +95,25 @@ enum { TILE = 16 };
 enum { AMX_ROWS = 16, AMX_MIN_ROWS = 6 };
 
 /* Row `offset` (elements) of a cache or query tensor as fp32: in place for fp32,
- * widened into `scratch` for bf16. */
+ * widened into `scratch` for bf16 and int8 (an int8 row without its scale). */
 static inline const float *row_f32(const void *base, int64_t offset, int n, int dtype,
                                    float *scratch) {
     if (dtype == DTYPE_F32) return (const float *)base + offset;
+    if (dtype == DTYPE_INT8) {
+        const int8_t *src = (const int8_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) scratch[i] = (float)src[i];
+        return scratch;
+    }
     const uint16_t *src = (const uint16_t *)base + offset;
 #pragma omp simd
     for (int i = 0; i < n; i++) scratch[i] = bf16_to_f32(src[i]);
     return scratch;
+}
+
+/* Bytes of one element of a cache of `kv_dtype`. */
+static inline int kv_item_size(int kv_dtype) {
+    return kv_dtype == DTYPE_F32 ? 4 : kv_dtype == DTYPE_INT8 ? 1 : 2;
 }
 
 /* Online-softmax update of one query row with one key tile: scores s[0..seen)
@@ -107,7 +128,7 @@ static inline void update_row(float s_top, float *restrict m, float *restrict l,
 
 /* Scratch of one thread, in floats, for items of up to `rows` rows: see `ItemState`. */
 static inline int64_t scratch_floats(int64_t rows, int64_t head_dim) {
-    return 2 * rows * head_dim + 2 * rows + 2 * TILE * head_dim;
+    return 2 * rows * head_dim + 2 * rows + 2 * TILE * head_dim + 4 * TILE;
 }
 
 #if defined(__AVX512F__)

@@ -6,6 +6,7 @@
  *     prefetch                       the next block (widening loops)
  *     for each KV head
  *       item_offsets                 where the step's rows of this head lie
+ *       item_scales                  their scales, for an int8 cache
  *       item_offsets_ahead           the next step's rows, to prefetch (pair paths)
  *       path->step                   the path's own loop over the step's keys
  *   item_end                         the output rows, or the item's partial states
@@ -21,28 +22,38 @@
 
 #include "attention.h"
 
-/* Both halves of the next block, one cache line at a time, while this one is used. */
+/* Both halves of the next block (and an int8 cache's scales of it), one cache line at a
+ * time, while this one is used. `block`: the block's id. */
 static inline void prefetch_block(const Args *a, int64_t block) {
-    const int size = a->dtype == DTYPE_F32 ? 4 : 2;
+    const int size = kv_item_size(a->kv_dtype);
     const int64_t bytes = (int64_t)a->block_size * a->kv_stride_slot * size;
-    const char *k = (const char *)a->k + block * size;
-    const char *v = (const char *)a->v + block * size;
+    const char *k = (const char *)a->k + block * a->kv_stride_block * size;
+    const char *v = (const char *)a->v + block * a->kv_stride_block * size;
     for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(k + b);
         __builtin_prefetch(v + b);
+    }
+    if (a->kv_dtype != DTYPE_INT8) return;
+    const int64_t scale_bytes = (int64_t)a->block_size * a->scale_stride_slot * 2;
+    const char *ks = (const char *)(a->k_scale + block * a->scale_stride_block);
+    const char *vs = (const char *)(a->v_scale + block * a->scale_stride_block);
+    for (int64_t b = 0; b < scale_bytes; b += 64) {
+        __builtin_prefetch(ks + b);
+        __builtin_prefetch(vs + b);
     }
 }
 
 /* One item's working state. Scratch of one thread (floats, 64-byte aligned pieces as
  * D is a multiple of 16): q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D]
- * m[rows] l[rows]. Row r = token (i - q_begin) * H_q + query head. */
+ * ks[2 * TILE] vs[2 * TILE] m[rows] l[rows]. Row r = token (i - q_begin) * H_q + query
+ * head. ks, vs: an int8 cache's scales of the step's keys for the head at hand. */
 typedef struct {
     int32_t start;  /* the sequence's first query row */
     int32_t prefix; /* its tokens before the new ones */
     int32_t stop;   /* keys the item reads end here: its last row's position + 1, capped */
     int rows;
     const int32_t *table;
-    float *q, *acc, *kt, *v_tile, *m, *l;
+    float *q, *acc, *kt, *v_tile, *ks, *vs, *m, *l;
 } ItemState;
 
 /* Lay out the item's scratch and load its query rows: as fp32 times the scale
@@ -62,7 +73,9 @@ static inline __attribute__((always_inline)) ItemState item_begin(const Args *a,
     s.acc = s.q + (int64_t)s.rows * D;
     s.kt = s.acc + (int64_t)s.rows * D;
     s.v_tile = s.kt + (int64_t)TILE * D;
-    s.m = s.v_tile + (int64_t)TILE * D;
+    s.ks = s.v_tile + (int64_t)TILE * D;
+    s.vs = s.ks + 2 * TILE;
+    s.m = s.vs + 2 * TILE;
     s.l = s.m + s.rows;
     for (int r = 0; r < s.rows; r++) {
         const int i = it->q_begin + r / Hq, head = r % Hq;
@@ -97,6 +110,26 @@ static inline __attribute__((always_inline)) void item_offsets(const Args *a,
         offsets[t] = (int64_t)table[pos / bs] * a->kv_stride_block +
                      (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
                      (int64_t)h * a->kv_stride_head;
+    }
+}
+
+/* An int8 cache's scales of KV head h's rows for the n keys from position `first`, as
+ * fp32 (ks for K, vs for V); zeros past n. */
+static inline __attribute__((always_inline)) void item_scales(const Args *a, const int32_t *table,
+                                                              int32_t first, int n, int keys,
+                                                              int h, float *ks, float *vs) {
+    const int bs = a->block_size;
+    for (int t = 0; t < keys; t++) {
+        if (t >= n) {
+            ks[t] = vs[t] = 0.0f;
+            continue;
+        }
+        const int32_t pos = first + t;
+        const int64_t at = (int64_t)table[pos / bs] * a->scale_stride_block +
+                           (int64_t)(pos & (bs - 1)) * a->scale_stride_slot +
+                           (int64_t)h * a->scale_stride_head;
+        ks[t] = bf16_to_f32(a->k_scale[at]);
+        vs[t] = bf16_to_f32(a->v_scale[at]);
     }
 }
 
@@ -193,11 +226,11 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
         const int n = s.stop - first < keys ? s.stop - first : keys;
         if (!path->pairs) {
             const int32_t next = first + (bs > TILE ? bs : TILE);
-            if (next < s.stop && (first & (bs - 1)) == 0)
-                prefetch_block(a, (int64_t)s.table[next / bs] * a->kv_stride_block);
+            if (next < s.stop && (first & (bs - 1)) == 0) prefetch_block(a, s.table[next / bs]);
         }
         for (int h = 0; h < a->num_kv_heads; h++) {
             item_offsets(a, s.table, first, n, h, offsets);
+            if (a->kv_dtype == DTYPE_INT8) item_scales(a, s.table, first, n, keys, h, s.ks, s.vs);
             if (path->pairs) item_offsets_ahead(a, s.table, first + keys, s.stop, h, ahead);
             path->step(a, it, &s, offsets, ahead, first, n, h, ctx, D);
         }
