@@ -65,8 +65,9 @@ class EngineConfig:
     bytes of one block (all layers, K and V, in ``kv_dtype``); ``kv_cache_bytes`` None: the
     blocks ``DEFAULT_KV_CACHE_BYTES`` holds in bf16, whatever the float dtype, or in int8
     with int8 KV. ``kv_dtype``: "auto" (the model's dtype) or "int8" (rows with a scale per
-    token and KV head, ``kernels.kv_layout``; read by the native CPU kernels). ``num_host_blocks`` sizes the host
-    tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len``
+    token and KV head, ``kernels.kv_layout``; read by the native CPU kernels).
+    ``num_host_blocks`` sizes the host tier that evicted prefix blocks move to
+    (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
     checker after every mutation (slow; for tests). ``data_dir``: where the converted default
     model and the compiled kernels are cached (the service's data directory; None:
