@@ -1,4 +1,4 @@
-"""Runs ``triton_checks.py`` (Triton kernels vs the references) in a subprocess.
+"""Runs ``triton_checks*.py`` (Triton kernels vs the references) in a subprocess.
 
 Triton binds its interpreter when it is first imported, and the rest of the
 suite (the engine tests) must keep the torch path on CPU, so the comparisons
@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHECKS = Path(__file__).with_name("triton_checks.py")
+CHECKS = [
+    Path(__file__).with_name(name) for name in ("triton_checks.py", "triton_checks_kv_int8.py")
+]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,7 +22,7 @@ def test_triton_kernels_match_references_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("CHATSVC_KERNEL_BACKEND", None)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", str(CHECKS), "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", *map(str, CHECKS), "-q", "-p", "no:cacheprovider"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
