@@ -14,10 +14,14 @@
                 through the pinned staging buffer and back into the pool), the
                 preload (the files read into pinned memory while idle), and the
                 next turn's blocks from it with the same greedy tokens
+5. invariance   a token's bits independent of its step (``bench.gpu_invariance``:
+                span attention, matmul and RMSNorm rows, the model's logits and K/V
+                over chunkings and batch companions), fp32 and bf16, as a table
 
 Each check prints one line, PASS or FAIL with the reason; the exit status is
-the number of failures. ``--device cpu`` runs 2-4 on the CPU (1 needs CUDA),
-which is how the suite keeps this script working without a GPU.
+the number of failures. ``--device cpu`` runs 2-5 on the CPU (1 needs CUDA),
+which is how the suite keeps this script working without a GPU (5 then checks the
+torch backend's spans and the fp32 model).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import traceback
 
 import torch
 
+from bench.gpu_invariance import check_invariance
 from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
@@ -40,7 +45,7 @@ from kernels.kv_layout import KVShape, layer_views, new_kv_pool
 
 NS = Namespace(tenant_salt=b"gpu-check", label="gpu")
 QUESTIONS = ["What is the capital of France?", "Name two rivers there.", "Which is longer?"]
-CHECKS = ("kernels", "conversation", "host_swaps", "disk_tier")
+CHECKS = ("kernels", "conversation", "host_swaps", "disk_tier", "invariance")
 
 
 # -- 1. kernels ----------------------------------------------------------------------
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "conversation": lambda: check_conversation(models, args),
         "host_swaps": lambda: check_host_swaps(models, args),
         "disk_tier": lambda: check_disk_tier(models, args),
+        "invariance": lambda: check_invariance(args.device, models.on(args.device)),
     }
     failures = 0
     for name in CHECKS:

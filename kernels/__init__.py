@@ -18,14 +18,17 @@ Public API (signatures fixed in docs/contracts.md)::
     apply_rope_(x, cos, sin)
     swiglu(gate_up) -> out
 
-Every function also takes, by keyword (the last three only ``backend``):
+Every function also takes, by keyword (the last three only ``backend``; ``invariant``
+only the attention):
 
 - ``backend``: ``"auto"`` (Triton when the tensors are on CUDA; on the CPU the
   native C kernels where they build, else the torch reference), ``"torch"``,
   ``"native"`` (C loops: attention of short query runs, the KV write and the
   element-wise layers; torch for the rest) or ``"triton"`` (on CPU tensors:
-  Triton's interpreter, for tests; the element-wise layers then run their torch
-  code). ``CHATSVC_KERNEL_BACKEND`` sets the default (see ``kernels.backend``).
+  Triton's interpreter, for tests; RMSNorm runs its Triton kernel, RoPE and SwiGLU
+  their torch code). ``CHATSVC_KERNEL_BACKEND`` sets the default (see ``kernels.backend``).
+- ``invariant`` (the attention's): see ``kernels.invariance``; with it the torch path
+  runs ``kernels.span_attention`` and Triton ``kernels.span_attention_triton``.
 - ``check_bounds``: value-range checks of the index tensors (block ids, slots,
   context lengths); on by default. They read the index tensors, which is a
   host sync on CUDA, so a hot path fed by the trusted cache manager may turn
@@ -47,11 +50,7 @@ from kernels.attention_inputs import AttentionInputs
 from kernels.backend import KernelChoice, choose_kernels
 from kernels.copy_blocks import check_copy_blocks, copy_blocks_torch, copy_blocks_triton
 from kernels.cpu.attention import paged_extend_attention_native
-from kernels.decode_attention import (
-    check_decode,
-    paged_decode_attention_torch,
-    paged_decode_attention_triton,
-)
+from kernels.decode_attention import check_decode, paged_decode_attention_triton
 from kernels.extend_attention import (
     check_extend,
     paged_extend_attention_torch,
@@ -61,6 +60,9 @@ from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
 from kernels.kv_layout import KVScales
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope_
+from kernels.span_attention import paged_attention_spans
+from kernels.span_attention_triton import paged_attention_spans_triton
+from kernels.span_metadata import SpanMetadata, check_span_metadata
 from kernels.step.write_index import WriteIndex, check_write_index
 from kernels.swiglu import swiglu
 from kernels.validate import check_kv_scales
@@ -121,7 +123,7 @@ def paged_decode_attention(
     backend: str | None = None,
     check_bounds: bool = True,
     partition_size: int | None = None,
-    metadata: ExtendMetadata | None = None,
+    metadata: ExtendMetadata | SpanMetadata | None = None,
     invariant: bool = True,
     scales: KVScales | None = None,
 ) -> torch.Tensor:
@@ -130,12 +132,12 @@ def paged_decode_attention(
     query ``[B, H_q, D]``; block_tables ``[B, max_blocks]``; context_lens ``[B]``
     (tokens of each sequence including the new one, whose K/V is already
     written); returns ``[B, H_q, D]`` in the query's dtype. ``partition_size``
-    forces the Triton split-context path (tokens per program). ``metadata``
-    (``kernels.extend_metadata.extend_metadata`` of the same tables and lengths,
-    one new token per sequence) spares the CPU paths rebuilding gather ids and
-    masks per layer; Triton ignores it. On the CPU a decode runs the extend kernels
-    with one new token per sequence (``AttentionInputs.one_token_each``).
-    ``invariant``: see ``kernels.invariance``.
+    forces the Triton split-context path (tokens per program; not with ``invariant``,
+    whose splits are the fixed spans). ``metadata`` (the CPU path's per-step plan of
+    the same tables and lengths, one new token per sequence: see ``_check_metadata``)
+    spares the CPU paths rebuilding it per layer; Triton ignores it. On the CPU a decode
+    runs the extend kernels with one new token per sequence
+    (``AttentionInputs.one_token_each``). ``invariant``: see ``kernels.invariance``.
     """
     inputs = AttentionInputs(query, k_cache, v_cache, block_tables, None, context_lens, scale)
     check_decode(inputs, check_bounds)
@@ -144,10 +146,11 @@ def paged_decode_attention(
         query.device, query.dtype, query.shape[-1], backend, invariant, k_cache.dtype
     )
     if choice.backend == "triton":
-        return paged_decode_attention_triton(inputs, partition_size)
-    if choice.backend == "torch":
-        _check_metadata(metadata, inputs, choice)
-        return paged_decode_attention_torch(inputs, metadata)
+        if not choice.invariant:
+            return paged_decode_attention_triton(inputs, partition_size)
+        if partition_size is not None:
+            raise ValueError("partition_size applies with invariant=False (spans are fixed)")
+        return paged_attention_spans_triton(inputs.one_token_each(), max_query_len=1)
     return _attention_on_cpu(inputs.one_token_each(), choice, metadata, scales)
 
 
@@ -163,7 +166,7 @@ def paged_extend_attention(
     backend: str | None = None,
     check_bounds: bool = True,
     max_query_len: int | None = None,
-    metadata: ExtendMetadata | None = None,
+    metadata: ExtendMetadata | SpanMetadata | None = None,
     invariant: bool = True,
     scales: KVScales | None = None,
 ) -> torch.Tensor:
@@ -173,8 +176,8 @@ def paged_extend_attention(
     ``query_start_loc[b]:query_start_loc[b + 1]``; context_lens ``[B]`` counts each
     sequence's tokens including the new ones (already written). Returns
     ``[T, H_q, D]``. ``max_query_len`` spares the Triton path a host sync.
-    ``metadata`` (``kernels.extend_metadata.extend_metadata`` of the same step)
-    spares the CPU paths rebuilding their groups and masks per layer; Triton
+    ``metadata`` (the CPU path's per-step plan of the same step: see
+    ``_check_metadata``) spares the CPU paths rebuilding it per layer; Triton
     ignores it. ``invariant``: see ``kernels.invariance``.
     """
     inputs = AttentionInputs(
@@ -186,6 +189,8 @@ def paged_extend_attention(
         query.device, query.dtype, query.shape[-1], backend, invariant, k_cache.dtype
     )
     if choice.backend == "triton":
+        if choice.invariant:
+            return paged_attention_spans_triton(inputs, max_query_len)
         return paged_extend_attention_triton(inputs, max_query_len)
     return _attention_on_cpu(inputs, choice, metadata, scales)
 
@@ -193,22 +198,35 @@ def paged_extend_attention(
 def _attention_on_cpu(
     inputs: AttentionInputs,
     choice: KernelChoice,
-    metadata: ExtendMetadata | None,
+    metadata: ExtendMetadata | SpanMetadata | None,
     scales: KVScales | None = None,
 ) -> torch.Tensor:
     """The native or torch path of checked inputs that have their start tensor."""
     _check_metadata(metadata, inputs, choice)
     if choice.backend == "native":
         return paged_extend_attention_native(inputs, metadata, choice.invariant, scales)
+    if choice.invariant:
+        return paged_attention_spans(inputs, metadata)
     return paged_extend_attention_torch(inputs, metadata)
 
 
 def _check_metadata(
-    metadata: ExtendMetadata | None, inputs: AttentionInputs, choice: KernelChoice
+    metadata: ExtendMetadata | SpanMetadata | None, inputs: AttentionInputs, choice: KernelChoice
 ) -> None:
+    """A CPU path's plan: the invariant torch path's ``kernels.span_metadata.span_metadata``,
+    the others' ``kernels.extend_metadata.extend_metadata``."""
     if metadata is None:
         return
     query, k_cache = inputs.query, inputs.k_cache
+    if choice.backend == "torch" and choice.invariant:
+        check_span_metadata(
+            metadata,
+            query.shape[0],
+            inputs.context_lens.shape[0],
+            k_cache.shape[1],
+            query.shape[1] // k_cache.shape[2],
+        )
+        return
     check_extend_metadata(
         metadata,
         query.shape[0],

@@ -11,6 +11,8 @@
     int8_blocks  int8 + a scale per row, fp32 model     ``kernels.cpu.narrow_linear`` (AVX2)
     fp32_blocks  fp32 in 16-column blocks, fp32 model   ``kernels.cpu.narrow_linear`` (AVX2)
     chunked      the matrices as loaded                  torch matmuls of fixed 16-row chunks
+    triton       the matrices as loaded                  ``kernels.matmul`` (CUDA: one program
+                                                         shape whatever the row count)
 
 A model picks its layout once, at load (``choose_layout``), packs its matrices with
 that variant's ``pack`` and runs every projection through its ``linear`` /
@@ -21,8 +23,9 @@ may run is the kernels' decision (``kernels.backend.tile_linears_available``,
 Invariance (``kernels.invariance``): a row's output must not depend on how many rows the
 step has. torch's own matmuls change their summation order with the row count (a single
 row takes a matrix-vector path; other counts other blockings), so an invariant model
-never uses ``plain`` or ``onednn``: tiles, the pair and narrow blocks and ``chunked`` sum
-each row the same way whatever the step (tiles: the tile unit's fixed order per 32-deep
+never uses ``plain`` or ``onednn``: tiles, the pair and narrow blocks, ``chunked`` and on
+CUDA ``triton`` (cuBLAS picks kernels and split-K by the shape) sum each row the same way
+whatever the step (tiles: the tile unit's fixed order per 32-deep
 step; pair blocks: one dot-pair step per two inputs in order; the narrow blocks: one FMA
 per input in order; ``chunked``: every matmul call has one shape,
 16 rows, padded, which measured bit-identical rows at every position, chunk count and
@@ -54,6 +57,7 @@ from kernels.cpu.pair_linear import PairWeight, pack_pair_weight
 from kernels.cpu.pair_linear import pair_linear as _pair_linear
 from kernels.cpu.tile_linear import TileWeight, pack_tile_weight
 from kernels.cpu.tile_linear import tile_linear as _tile_linear
+from kernels.matmul import matmul as _triton_matmul
 
 WEIGHT_LAYOUTS = (
     "tiles",
@@ -63,6 +67,7 @@ WEIGHT_LAYOUTS = (
     "fp32_blocks",
     "onednn",
     "chunked",
+    "triton",
     "plain",
 )
 # Rows of each matmul the chunked layout makes: every call has this shape.
@@ -111,8 +116,8 @@ def choose_layout(
     """A model's ``prepack_weights`` as one of ``WEIGHT_LAYOUTS``: a layout by name, False
     = plain, True or None = the best available here: tiles, then pair_blocks (bf16), then
     (an fp32 model whose weights bf16 holds) bf16_blocks, then for an ``invariant`` model
-    the narrow blocks of its dtype (bf16_blocks, fp32_blocks) or else chunked; for a model
-    that need not be invariant onednn, else (None) plain.
+    the narrow blocks of its dtype (bf16_blocks, fp32_blocks), on CUDA triton, or else
+    chunked; for a model that need not be invariant onednn, else (None) plain.
 
     ``weight_dtype`` (``WEIGHT_DTYPES``; None = "auto") is what an fp32 model stores its
     matrices in: "auto" takes bf16_blocks only where the weights are ``exact_in_bf16()``
@@ -133,6 +138,7 @@ def choose_layout(
     fp32_narrow = narrow and dtype == torch.float32
     available = {"tiles": tiles, "pair_blocks": pairs, "onednn": onednn, "plain": True}
     available["chunked"] = True
+    available["triton"] = device.type == "cuda"
     available |= {"bf16_blocks": narrow, "int8_blocks": fp32_narrow, "fp32_blocks": fp32_narrow}
     if dtype == torch.float32 and weight_dtype in NARROW_LAYOUTS:
         forced = NARROW_LAYOUTS[weight_dtype]
@@ -156,7 +162,7 @@ def choose_layout(
         if invariant:
             if narrow:
                 return "fp32_blocks" if dtype == torch.float32 else "bf16_blocks"
-            return "chunked"
+            return "triton" if device.type == "cuda" else "chunked"
         if onednn:
             return "onednn"
         if choice is None:
@@ -243,6 +249,16 @@ def narrow_linear_add(x: torch.Tensor, weight: NarrowWeight, residual: torch.Ten
     return _narrow_linear(x, weight, None, residual)
 
 
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x @ weight^T + bias`` in ``kernels.matmul`` (CUDA)."""
+    return _triton_matmul(x, weight, bias)
+
+
+def triton_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
+    """``residual + x @ weight^T`` in one ``kernels.matmul`` launch."""
+    return _triton_matmul(x, weight, None, residual)
+
+
 def _chunked_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` as one batched matmul of ``CHUNK_ROWS``-row chunks (the last padded
     with zeros), so every product torch computes has the same shape."""
@@ -279,4 +295,5 @@ LINEARS = {
     "int8_blocks": Linears("int8_blocks", pack_int8_weight, narrow_linear, narrow_linear_add),
     "fp32_blocks": Linears("fp32_blocks", pack_fp32_weight, narrow_linear, narrow_linear_add),
     "chunked": Linears("chunked", _plain, chunked_linear, chunked_linear_add),
+    "triton": Linears("triton", _plain, triton_linear, triton_linear_add),
 }

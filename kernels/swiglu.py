@@ -1,7 +1,17 @@
 """The SwiGLU gate: ``silu(gate) * up`` from a fused ``[T, 2 * I]`` projection.
 
 On the native backend (``kernels.backend``) the C loop in ``kernels/cpu/layers.c``;
-elsewhere, and as its reference, ``F.silu(gate).mul_(up)``.
+elsewhere, and as its reference, ``swiglu_torch``: silu in fp32 as ``g / (1 + exp(-g))``,
+rounded to the input's dtype, times ``up``.
+
+Why not ``F.silu``: its fp32 kernel computes the scalar tail of a vector loop with
+another formula than the body, and with several threads a row's elements fall in the
+body or the tail by where a thread's range cuts the tensor, so an element's bits
+followed the row count and the thread count (measured: a few elements in 60 rows of
+1,000). Here every step is an IEEE operation rounded once per element (negate, add,
+divide, multiply) or torch's ``exp``, which runs one formula for every element (MKL's
+vector exp, whole vectors or masked ones): a row's bits are its own
+(``tests/kernels/test_layer_invariance.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +19,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from kernels.backend import choose_kernels
 from kernels.cpu import native
@@ -17,7 +26,10 @@ from kernels.cpu import native
 
 def swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
+    g = gate.float()
+    silu = g.neg().exp_().add_(1.0)
+    torch.div(g, silu, out=silu)
+    return silu.to(gate.dtype).mul_(up)
 
 
 def swiglu_native(

@@ -89,7 +89,7 @@ class LlamaModel:
             invariant,
         )
         self.linears = LINEARS[self.weight_layout]
-        self.prepacked = self.weight_layout not in ("plain", "chunked")
+        self.prepacked = self.weight_layout not in ("plain", "chunked", "triton")
         self._lm_head = weights.lm_head
         if self.prepacked:
             pack = self.linears.pack

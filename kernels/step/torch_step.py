@@ -1,10 +1,12 @@
 """A step on the torch backend: the torch references, with the step's metadata built once.
 
 Every layer writes to the same slots and attends over the same tables, so the split
-of slots into (block, offset) (``kernels.step.write_index.write_index``) and the SDPA
-groups with their gather ids and masks (``kernels.extend_metadata``) are built here
-once for all layers. A decode is the step whose sequences all have one new token:
-the groups then hold decodes only, with one key mask per sequence.
+of slots into (block, offset) (``kernels.step.write_index.write_index``) and the
+attention's plan are built here once for all layers. In invariant steps (the default,
+``kernels.invariance``) the plan is the fixed-shape span tasks of
+``kernels.span_metadata``; otherwise the padded SDPA groups of
+``kernels.extend_metadata`` (a decode is the step whose sequences all have one new
+token: the groups then hold decodes only, with one key mask per sequence).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
 from kernels.rms_norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
+from kernels.span_attention import attend_spans
+from kernels.span_metadata import SpanMetadata, span_metadata
 from kernels.step.ops import StepBatch, StepDims, StepOps
 from kernels.step.write_index import WriteIndex, write_index
 from kernels.swiglu import swiglu_torch
@@ -32,15 +36,16 @@ class TorchStep(StepOps):
     ) -> None:
         super().__init__(batch, kv_pool, dims)
         num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
-        self.metadata: ExtendMetadata = extend_metadata(
-            batch.block_tables,
-            batch.query_start_loc,
-            batch.context_lens,
-            kv_pool.shape[3],
-            dims.num_q_heads // num_kv_heads,
-            num_kv_heads * head_dim * kv_pool.element_size(),
-            kv_pool.dtype,
-        )
+        group = dims.num_q_heads // num_kv_heads
+        tables, starts, lens = batch.block_tables, batch.query_start_loc, batch.context_lens
+        self.metadata: ExtendMetadata | SpanMetadata
+        if choice.invariant:
+            self.metadata = span_metadata(tables, starts, lens, kv_pool.shape[3], group)
+        else:
+            row_bytes = num_kv_heads * head_dim * kv_pool.element_size()
+            self.metadata = extend_metadata(
+                tables, starts, lens, kv_pool.shape[3], group, row_bytes, kv_pool.dtype
+            )
         self.write_index: WriteIndex = write_index(batch.slot_mapping, kv_pool.shape[3])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -61,6 +66,8 @@ class TorchStep(StepOps):
     def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         self.check_query(query)
         k_cache, v_cache = self.layer_caches(layer)
+        if isinstance(self.metadata, SpanMetadata):
+            return attend_spans(query, k_cache, v_cache, self.metadata, self.scale)
         out = torch.empty_like(query)
         attend_groups(query, k_cache, v_cache, self.metadata, self.scale, out)
         return out

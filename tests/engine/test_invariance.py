@@ -195,14 +195,20 @@ prompts = st.fixed_dictionaries(
 )
 
 
-# (model dtype, KV dtype): int8 KV (kernels/kv_layout.py) under the bf16 model the CPU
-# runs by default where it has native bf16, with fewer examples (the same kernels).
-MODES = [("fp32", "auto", 8), ("bf16", "auto", 8), ("bf16", "int8", 4)]
+# (model dtype, backend, KV dtype, examples): int8 KV (kernels/kv_layout.py) under the
+# bf16 model the CPU runs by default where it has native bf16, with fewer examples.
+MODES = [
+    ("fp32", "native", "auto", 6),
+    ("bf16", "native", "auto", 6),
+    ("fp32", "torch", "auto", 6),
+    ("bf16", "torch", "auto", 6),
+    ("bf16", "native", "int8", 4),
+]
 
 
-@pytest.mark.parametrize(("dtype", "kv_dtype", "examples"), MODES)
-def test_a_prompts_values_do_not_depend_on_how_it_was_computed(dtype, kv_dtype, examples):
-    model = model_for(dtype, "native")
+@pytest.mark.parametrize(("dtype", "backend", "kv_dtype", "examples"), MODES)
+def test_a_prompts_values_do_not_depend_on_how_it_was_computed(dtype, backend, kv_dtype, examples):
+    model = model_for(dtype, backend)
 
     @settings(max_examples=examples, deadline=None)
     @given(case=prompts)
@@ -220,12 +226,14 @@ def test_a_prompts_values_do_not_depend_on_how_it_was_computed(dtype, kv_dtype, 
     check()
 
 
-@pytest.mark.parametrize(("dtype", "kv_dtype"), [m[:2] for m in MODES])
-def test_past_the_real_span_a_cached_prefix_and_decodes_give_the_same_values(dtype, kv_dtype):
+@pytest.mark.parametrize(("dtype", "backend", "kv_dtype"), [m[:3] for m in MODES])
+def test_past_the_real_span_a_cached_prefix_and_decodes_give_the_same_values(
+    dtype, backend, kv_dtype
+):
     """A 300-token prompt (two spans of 256): its first 256 tokens written by another
     request, the rest as a turn of 20 tokens and then decodes one token a step, beside a
     companion's prefill chunks; against one solo prefill."""
-    model = model_for(dtype, "native")
+    model = model_for(dtype, backend)
     rng = random.Random(7)
     tokens = [rng.randrange(100, 40000) for _ in range(300)]
     cuts = [276, *range(277, 300)]

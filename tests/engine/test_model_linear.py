@@ -66,6 +66,10 @@ def test_prepack_weights_picks_a_layout_the_kernels_allow(monkeypatch):
     with pytest.raises(ValueError, match="one of"):
         choose_layout("blocked", CPU, torch.float32)
     assert choose_layout(None, CPU, torch.bfloat16) == "chunked"
+    # On CUDA cuBLAS picks its kernels by the shape: invariant models take the Triton matmul.
+    cuda = torch.device("cuda")
+    assert choose_layout(None, cuda, torch.bfloat16) == "triton"
+    assert choose_layout(None, cuda, torch.bfloat16, invariant=False) == "plain"
     if can_prepack(CPU, torch.bfloat16):
         assert choose_layout(None, CPU, torch.bfloat16, invariant=False) == "onednn"
     monkeypatch.setenv(ENV_VAR, "native")

@@ -1,5 +1,6 @@
 """bench/kernels.py without a GPU: says so and exits 0; bad arguments are refused.
-bench/cpu_attention.py: its timed paths compute the same attention."""
+bench/cpu_attention.py and bench/torch_attention.py: their timed paths compute the same
+attention."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import assert_close
 
-from bench import cpu_attention
+from bench import cpu_attention, torch_attention, triton_spans
 from bench import kernels as bench_kernels
 from kernels.cpu import native
 from kernels.linear import can_prepack
@@ -16,6 +17,12 @@ from kernels.linear import can_prepack
 def test_without_cuda_it_reports_and_exits_zero(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_kernels.main([]) == 0
+    assert "No CUDA device" in capsys.readouterr().out
+
+
+def test_triton_spans_without_cuda_reports_and_exits_zero(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert triton_spans.main([]) == 0
     assert "No CUDA device" in capsys.readouterr().out
 
 
@@ -56,6 +63,12 @@ def test_cpu_attention_bench_baseline_is_a_second_build_that_agrees(tmp_path, mo
     fns = cpu_attention.case_fns(3, 70, 2, torch.bfloat16, baseline)
     assert set(fns) == {"torch", "native", "baseline"}
     assert_close(fns["baseline"]().clone(), fns["native"](), torch.bfloat16)
+
+
+def test_torch_attention_bench_times_two_paths_that_agree():
+    fns = torch_attention.case_fns(q_len=5, context=300, batch=2, dtype=torch.float32)
+    assert set(fns) == {"grouped", "spans"}
+    assert_close(fns["spans"](), fns["grouped"](), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

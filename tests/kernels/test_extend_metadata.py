@@ -1,4 +1,5 @@
-"""Extend steps batched into padded groups: the grouping, and the same results as the oracle."""
+"""Extend steps batched into padded groups (the torch path with ``invariant=False``, and the
+native path's long runs): the grouping, and the same results as the oracle."""
 
 import math
 
@@ -26,7 +27,7 @@ def _case_and_metadata(dtype=torch.float32):
     return case, query, starts, metadata
 
 
-def _extend(case, query, starts, backend="torch", **kwargs):
+def _extend(case, query, starts, backend="torch", invariant=False, **kwargs):
     return kernels.paged_extend_attention(
         query,
         case.k_cache,
@@ -36,6 +37,7 @@ def _extend(case, query, starts, backend="torch", **kwargs):
         case.context_lens,
         1 / math.sqrt(32),
         backend=backend,
+        invariant=invariant,
         **kwargs,
     )
 

@@ -1,4 +1,6 @@
-"""Per-step kernel metadata: built once, reused by every layer, same results as without."""
+"""Per-step kernel metadata: built once, reused by every layer, same results as without
+(the grouped torch path, ``invariant=False``; the invariant one's plan is tested in
+test_span_attention.py)."""
 
 import pytest
 import torch
@@ -28,10 +30,11 @@ def test_decode_with_prebuilt_metadata_matches_the_oracle(monkeypatch, chunk_byt
     if chunk_bytes == 1:
         assert len(metadata.groups) == len(LENS)
     args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    grouped = {"backend": "torch", "invariant": False}
     with_meta = [
-        kernels.paged_decode_attention(*args, metadata=metadata, backend="torch") for _ in range(2)
+        kernels.paged_decode_attention(*args, metadata=metadata, **grouped) for _ in range(2)
     ]
-    without = kernels.paged_decode_attention(*args, backend="torch")
+    without = kernels.paged_decode_attention(*args, **grouped)
     assert torch.equal(with_meta[0], with_meta[1])
     assert torch.equal(with_meta[0], without)
     assert_close(with_meta[0], decode_oracle(case, query), torch.float32)

@@ -108,3 +108,24 @@ def test_a_build_without_the_tile_unit_refuses(tmp_path, monkeypatch):
     args = (x.data_ptr(), 64, 4, weight.packed.data_ptr(), 32, 64, None, None, 0)
     assert lib.chatsvc_linear(*args, out.data_ptr(), 32, 1) == -1
     assert bool((out == 7.0).all())
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it_or_the_threads():
+    """Issue 26 needs it of every linear: the tile unit sums each output row from its own
+    input row, 32 inputs a step in order, whatever the other rows of its tile."""
+    x, w, bias, residual = _inputs(40, 200, 576, seed=4)
+    weight = pack_tile_weight(w)
+    if _refused_without_tiles(x, weight):
+        return
+    batch = tile_linear(x, weight, bias, residual)
+    for i in (0, 5, 15, 16, 39):
+        alone = tile_linear(x[i : i + 1], weight, bias, residual[i : i + 1])
+        assert torch.equal(alone[0], batch[i])
+    for rows in (3, 17, 33):
+        assert torch.equal(tile_linear(x[:rows], weight, bias, residual[:rows]), batch[:rows])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(tile_linear(x, weight, bias, residual), batch)
+    finally:
+        torch.set_num_threads(before)

@@ -52,7 +52,10 @@ def test_decode_triton_matches_reference(group, head_dim, block_size, lens, part
     args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens)
     scale = 1 / math.sqrt(head_dim)
     ref = kernels.paged_decode_attention(*args, scale, backend="torch")
-    out = kernels.paged_decode_attention(*args, scale, backend="triton", partition_size=partition)
+    # The flash-decoding kernel (partitions sized by the batch): the non-invariant mode.
+    out = kernels.paged_decode_attention(
+        *args, scale, backend="triton", partition_size=partition, invariant=False
+    )
     assert out.dtype == dtype
     assert_close(out, ref, dtype)
 
@@ -60,12 +63,13 @@ def test_decode_triton_matches_reference(group, head_dim, block_size, lens, part
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size", "lens", "q_lens"), EXTEND_CASES)
 def test_extend_triton_matches_reference(group, head_dim, block_size, lens, q_lens, dtype):
+    """The extend kernel (``invariant=False``; the span kernel: triton_span_checks.py)."""
     case = make_paged_case(lens, block_size, 2, head_dim, dtype)
     query, starts = extend_inputs(case, q_lens, 2 * group)
     args = (query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens)
     scale = 1 / math.sqrt(head_dim)
     ref = kernels.paged_extend_attention(*args, scale, backend="torch")
-    out = kernels.paged_extend_attention(*args, scale, backend="triton")
+    out = kernels.paged_extend_attention(*args, scale, backend="triton", invariant=False)
     assert out.dtype == dtype
     assert_close(out, ref, dtype)
 
@@ -127,8 +131,11 @@ def test_strided_inputs_as_the_engine_passes_them():
     decode_query = qkv[:2, :4]
     args = (decode_query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
     ref = kernels.paged_decode_attention(*args, backend="torch")
-    out = kernels.paged_decode_attention(*args, backend="triton", partition_size=16)
+    out = kernels.paged_decode_attention(
+        *args, backend="triton", partition_size=16, invariant=False
+    )
     assert_close(out, ref, torch.float32)
+    assert_close(kernels.paged_decode_attention(*args, backend="triton"), ref, torch.float32)
 
 
 class _Batch(NamedTuple):
