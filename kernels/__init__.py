@@ -37,7 +37,8 @@ only the attention):
 - ``scales``: for an int8 KV cache (``kernels.kv_layout``: int8 rows with a scale per
   token and head), the caches' scale views (``KVScales``; ``kv_layout.layer_kv`` splits a
   layer of the pool into both). ``write_kv`` quantizes on every backend; the attention
-  reads int8 caches on the native backend only, for now (others raise ``ValueError``).
+  reads int8 caches on every backend (Triton's invariant kernels only: with
+  ``invariant=False`` the triton backend raises ``ValueError``).
 
 Bad input raises ``ValueError`` before any memory is touched.
 """
@@ -150,7 +151,8 @@ def paged_decode_attention(
             return paged_decode_attention_triton(inputs, partition_size)
         if partition_size is not None:
             raise ValueError("partition_size applies with invariant=False (spans are fixed)")
-        return paged_attention_spans_triton(inputs.one_token_each(), max_query_len=1)
+        decode = inputs.one_token_each()
+        return paged_attention_spans_triton(decode, max_query_len=1, scales=scales)
     return _attention_on_cpu(inputs.one_token_each(), choice, metadata, scales)
 
 
@@ -190,7 +192,7 @@ def paged_extend_attention(
     )
     if choice.backend == "triton":
         if choice.invariant:
-            return paged_attention_spans_triton(inputs, max_query_len)
+            return paged_attention_spans_triton(inputs, max_query_len, scales=scales)
         return paged_extend_attention_triton(inputs, max_query_len)
     return _attention_on_cpu(inputs, choice, metadata, scales)
 
@@ -205,6 +207,9 @@ def _attention_on_cpu(
     _check_metadata(metadata, inputs, choice)
     if choice.backend == "native":
         return paged_extend_attention_native(inputs, metadata, choice.invariant, scales)
+    if scales is not None:  # int8 KV: the span tasks dequantize, the groups read floats
+        plan = metadata if isinstance(metadata, SpanMetadata) else None
+        return paged_attention_spans(inputs, plan, scales)
     if choice.invariant:
         return paged_attention_spans(inputs, metadata)
     return paged_extend_attention_torch(inputs, metadata)

@@ -139,18 +139,17 @@ def choose_kernels(
     the step (``kernels.invariance``; on the native backend the C attention then takes
     every run); False: the fastest for each step's shape.
 
-    ``kv_dtype``: the KV caches' (None: ``dtype``). An int8 cache's attention (a step, or
-    ``head_dim`` given) runs on the native kernels only, for now: the torch reference and
-    the Triton kernels read float caches; other backends raise ``ValueError``. Its KV
-    write and block copies run on every backend."""
+    ``kv_dtype``: the KV caches' (None: ``dtype``). An int8 cache is read by the native
+    kernels, the torch reference's span tasks and Triton's invariant span kernel; Triton's
+    other kernels read float caches, so an int8 step on the triton backend with
+    ``invariant=False`` raises ``ValueError``."""
     chosen = resolve_backend(backend, device)
     quantized = kv_dtype is not None and is_quantized(kv_dtype)
     if chosen == "native" and not native_takes(device, dtype, head_dim, kv_dtype):
         chosen = "torch"
-    if quantized and head_dim is not None and chosen != "native":
+    if quantized and head_dim is not None and chosen == "triton" and not invariant:
         raise ValueError(
-            f"an int8 KV cache is read by the native CPU kernels only (fp32/bf16, head_dim a "
-            f"multiple of 16 up to 256), not by the {chosen} backend with {dtype} on {device}"
+            "an int8 KV cache is read by Triton's invariant kernels only (invariant=True)"
         )
     limit = 0
     if chosen == "native" and head_dim is not None:

@@ -128,10 +128,9 @@ class LLMEngine:
         shape = self.model.kv_shape(config.block_size)
         # What the pool stores: the model's dtype, or int8 rows with scales (kv_layout).
         self.kv_dtype = kv_dtype_for(config.kv_dtype, self.model.dtype)
-        if is_quantized(self.kv_dtype):  # the attention reads int8 on the native kernels
-            choose_kernels(
-                self.model.device, self.model.dtype, shape.head_dim, None, True, self.kv_dtype
-            )
+        if is_quantized(self.kv_dtype):  # refused now where no attention kernel reads it
+            device, dtype, invariant = self.model.device, self.model.dtype, config.invariant
+            choose_kernels(device, dtype, shape.head_dim, None, invariant, self.kv_dtype)
         unit = self.kv_dtype if is_quantized(self.kv_dtype) else torch.bfloat16
         self.num_gpu_blocks = config.num_blocks_for(
             shape.block_bytes(self.kv_dtype), shape.block_bytes(unit)
