@@ -92,7 +92,7 @@ def test_int8_kv_holds_about_twice_the_blocks_in_the_same_bytes(smollm2_fp32):
         EngineConfig.from_env({"CHATSVC_KV_DTYPE": "fp8"})
 
 
-def test_an_int8_kv_engine_names_its_dtype_and_needs_a_kernel_that_reads_it(
+def test_an_int8_kv_engine_names_its_dtype_and_refuses_kernels_that_cannot_read_it(
     smollm2_fp32, monkeypatch
 ):
     from chatsvc.engine.engine import LLMEngine
@@ -103,6 +103,7 @@ def test_an_int8_kv_engine_names_its_dtype_and_needs_a_kernel_that_reads_it(
     assert stats["block_bytes"] == smollm2_fp32.model.kv_shape(16).block_bytes(
         engine.runner.kv_pool.dtype
     )
-    monkeypatch.setenv("CHATSVC_KERNEL_BACKEND", "torch")
-    with pytest.raises(ValueError, match="native CPU kernels only"):
-        LLMEngine(EngineConfig(dtype="fp32", kv_dtype="int8", num_gpu_blocks=8), smollm2_fp32)
+    monkeypatch.setenv("CHATSVC_KERNEL_BACKEND", "triton")  # off CUDA: the interpreter's
+    with pytest.raises(ValueError, match="invariant kernels only"):
+        config = EngineConfig(dtype="fp32", kv_dtype="int8", num_gpu_blocks=8, invariant=False)
+        LLMEngine(config, smollm2_fp32)

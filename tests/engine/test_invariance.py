@@ -203,6 +203,7 @@ MODES = [
     ("fp32", "torch", "auto", 6),
     ("bf16", "torch", "auto", 6),
     ("bf16", "native", "int8", 4),
+    ("bf16", "torch", "int8", 3),
 ]
 
 

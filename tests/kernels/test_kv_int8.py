@@ -133,15 +133,17 @@ def _raw(case: PagedCase) -> PagedCase:
     )
 
 
-def check_int8(lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=None):
-    """The native attention over an int8 case against the oracle: over the dequantized
-    K/V at the query dtype's tolerance, over the K/V before quantization at the
-    quantization's."""
+def check_int8(
+    lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=None, backend="native"
+):
+    """The attention over an int8 case (the native kernel, another build's ``lib``, or the
+    torch reference) against the oracle: over the dequantized K/V at the query dtype's
+    tolerance, over the K/V before quantization at the quantization's."""
     case = make_paged_case(lens, block_size, num_kv_heads, head_dim, dtype, kv_dtype=torch.int8)
     query, starts = extend_inputs(case, q_lens, num_kv_heads * group)
     if lib is None:
         args, scale = _int8_inputs(case, query, starts)
-        out = kernels.paged_extend_attention(*args, scale, backend="native", scales=case.scales)
+        out = kernels.paged_extend_attention(*args, scale, backend=backend, scales=case.scales)
     else:  # another build's library
         out = torch.full_like(query, float("nan"))
         args, scale = _int8_inputs(case, query, starts)
@@ -169,6 +171,12 @@ def test_native_attention_over_int8_kv_matches_the_oracle(lens, q_lens, block_si
     check_int8(lens, q_lens, block_size, 2, 3, 64, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_reference_over_int8_kv_matches_the_oracle(dtype):
+    check_int8([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, backend="torch")
+    check_int8([290, 45], [40, 45], 32, 2, 3, 64, dtype, backend="torch")
+
+
 def test_head_sizes_other_than_64():
     check_int8([23, 40], [1, 4], 8, 2, 2, 128, torch.bfloat16)
     check_int8([23, 40], [1, 4], 8, 2, 2, 16, torch.float32)
@@ -192,14 +200,16 @@ def test_a_decode_over_int8_kv_is_bit_identical_alone_and_in_a_batch():
         assert torch.equal(alone[0], batched[b])
 
 
-def test_int8_kv_is_refused_where_no_kernel_reads_it():
+def test_int8_kv_is_refused_without_its_scales_or_where_no_kernel_reads_it():
     case = make_paged_case([30], 8, 2, 64, kv_dtype=torch.int8)
     query, starts = extend_inputs(case, [2], 6)
     args, scale = _int8_inputs(case, query, starts)
     with pytest.raises(ValueError, match="needs its scales"):
         kernels.paged_extend_attention(*args, scale, backend="native")
-    with pytest.raises(ValueError, match="native CPU kernels only"):
-        kernels.paged_extend_attention(*args, scale, backend="torch", scales=case.scales)
+    with pytest.raises(ValueError, match="invariant kernels only"):
+        kernels.paged_extend_attention(
+            *args, scale, backend="triton", scales=case.scales, invariant=False
+        )
     floats = make_paged_case([30], 8, 2, 64)
     key = torch.randn(1, 2, 64)
     slot = slots_of(floats, 0, torch.tensor([3]))

@@ -1,5 +1,6 @@
-"""The Triton KV write and block copy over int8 KV (kernels/kv_layout.py) against the torch
-reference, under Triton's CPU interpreter: the same bytes, rows and scales.
+"""The Triton kernels over int8 KV (kernels/kv_layout.py) against the torch references,
+under Triton's CPU interpreter: the KV write and block copy (the same bytes, rows and
+scales) and the invariant span attention.
 
 Run by ``test_triton_interpreted.py`` in its ``TRITON_INTERPRET=1`` subprocess, beside
 ``triton_checks.py`` (see there). By hand:
@@ -10,12 +11,14 @@ Run by ``test_triton_interpreted.py`` in its ``TRITON_INTERPRET=1`` subprocess, 
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
-from kernel_cases import make_paged_case, slots_of
+from kernel_cases import assert_close, extend_inputs, extend_oracle, make_paged_case, slots_of
 
 import kernels
+from kernels import invariance
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 (see the module docstring)")
@@ -54,3 +57,21 @@ def test_int8_copy_blocks_triton_moves_rows_and_scales():
     expected[pairs[:, 1]] = case.pool[pairs[:, 0]]
     kernels.copy_blocks(case.pool, case.pool, pairs, backend="triton")
     assert torch.equal(case.pool, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("lens", "q_lens"),
+    [([13, 40, 70], [1, 1, 1]), ([40, 16, 70], [7, 1, 30])],  # decodes; runs over spans
+)
+def test_int8_span_attention_triton_matches_the_torch_reference(lens, q_lens, dtype):
+    """Triton's invariant kernel over int8 K/V against the torch reference (span tasks,
+    dequantized as gathered), with spans of 32 keys so the contexts cross several."""
+    case = make_paged_case(lens, 8, 2, 64, dtype, kv_dtype=torch.int8)
+    query, starts = extend_inputs(case, q_lens, 6)
+    args = (query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens)
+    with mock.patch.object(invariance, "SPAN_TOKENS", 32):
+        out = kernels.paged_extend_attention(*args, 0.125, backend="triton", scales=case.scales)
+        ref = kernels.paged_extend_attention(*args, 0.125, backend="torch", scales=case.scales)
+    assert_close(out, ref, dtype)
+    assert_close(out, extend_oracle(case, query, q_lens), dtype)
