@@ -43,6 +43,28 @@ static inline void prefetch_block(const Args *a, int64_t block) {
     }
 }
 
+/* An int8 cache's scales of the `keys` keys from position `first` (none from `stop`
+ * on), one cache line at a time: they lie apart from the rows, in their block's slabs. */
+static inline void prefetch_scales(const Args *a, const int32_t *table, int32_t first,
+                                   int32_t stop, int keys) {
+    const int bs = a->block_size;
+    const int64_t line = 32; /* bf16 scales per cache line */
+    for (int32_t pos = first; pos < first + keys && pos < stop;) {
+        int32_t end = (pos / bs + 1) * bs; /* this block's keys end here */
+        end = end < first + keys ? end : first + keys;
+        end = end < stop ? end : stop;
+        const int64_t base = (int64_t)table[pos / bs] * a->scale_stride_block;
+        const int64_t lo = base + (int64_t)(pos & (bs - 1)) * a->scale_stride_slot;
+        const int64_t hi = base + (int64_t)((end - 1) & (bs - 1)) * a->scale_stride_slot +
+                           (int64_t)(a->num_kv_heads - 1) * a->scale_stride_head;
+        for (int64_t at = lo; at < hi + line; at += line) {
+            __builtin_prefetch(a->k_scale + (at < hi ? at : hi));
+            __builtin_prefetch(a->v_scale + (at < hi ? at : hi));
+        }
+        pos = end;
+    }
+}
+
 /* One item's working state. Scratch of one thread (floats, 64-byte aligned pieces as
  * D is a multiple of 16): q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D]
  * ks[2 * TILE] vs[2 * TILE] m[rows] l[rows]. Row r = token (i - q_begin) * H_q + query
@@ -222,16 +244,22 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
     const int keys = path->pairs ? 2 * TILE : TILE;
     const int bs = a->block_size;
     int64_t offsets[2 * TILE], ahead[2 * TILE];
+    /* The pair paths prefetch an int8 cache's rows two steps ahead: its rows are half as
+     * long, so the same distance in keys would keep half the bytes in flight. */
+    const int quantized = a->kv_dtype == DTYPE_INT8;
+    const int32_t distance = quantized ? 2 * keys : keys;
     for (int32_t first = it->key_begin; first < s.stop; first += keys) {
         const int n = s.stop - first < keys ? s.stop - first : keys;
         if (!path->pairs) {
             const int32_t next = first + (bs > TILE ? bs : TILE);
             if (next < s.stop && (first & (bs - 1)) == 0) prefetch_block(a, s.table[next / bs]);
+        } else if (quantized) {
+            prefetch_scales(a, s.table, first + distance, s.stop, keys);
         }
         for (int h = 0; h < a->num_kv_heads; h++) {
             item_offsets(a, s.table, first, n, h, offsets);
-            if (a->kv_dtype == DTYPE_INT8) item_scales(a, s.table, first, n, keys, h, s.ks, s.vs);
-            if (path->pairs) item_offsets_ahead(a, s.table, first + keys, s.stop, h, ahead);
+            if (quantized) item_scales(a, s.table, first, n, keys, h, s.ks, s.vs);
+            if (path->pairs) item_offsets_ahead(a, s.table, first + distance, s.stop, h, ahead);
             path->step(a, it, &s, offsets, ahead, first, n, h, ctx, D);
         }
     }
