@@ -135,12 +135,48 @@ static inline __attribute__((always_inline)) void item_offsets(const Args *a,
     }
 }
 
+#if defined(__AVX512F__)
+/* The scales of KV head h for `live` (<= 16) keys of one block from `slot`, as fp32,
+ * zeros past them: each gathered as the dword that ends with it, whose high half is its
+ * fp32 bits (the element before it lies in the pool too: the scales follow the rows). */
+static inline __m512 gather_scales16(const uint16_t *scales, const Args *a, int64_t block,
+                                     int slot, int h, int live) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int32_t stride = (int32_t)a->scale_stride_slot;
+    const int32_t at = slot * stride + h * (int32_t)a->scale_stride_head - 1;
+    const __m512i index =
+        _mm512_add_epi32(_mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride)), _mm512_set1_epi32(at));
+    const __mmask16 mask = live >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1u);
+    const __m512i dwords = _mm512_mask_i32gather_epi32(
+        _mm512_setzero_si512(), mask, index, scales + block * a->scale_stride_block, 2);
+    return _mm512_castsi512_ps(_mm512_and_si512(dwords, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
 /* An int8 cache's scales of KV head h's rows for the n keys from position `first`, as
  * fp32 (ks for K, vs for V); zeros past n. */
 static inline __attribute__((always_inline)) void item_scales(const Args *a, const int32_t *table,
                                                               int32_t first, int n, int keys,
                                                               int h, float *ks, float *vs) {
     const int bs = a->block_size;
+#if defined(__AVX512F__)
+    if (bs >= 16 && (first & 15) == 0) { /* 16 keys at a time, each group in one block */
+        for (int g = 0; g < keys; g += 16) {
+            const int live = n - g;
+            if (live <= 0) {
+                _mm512_store_ps(ks + g, _mm512_setzero_ps());
+                _mm512_store_ps(vs + g, _mm512_setzero_ps());
+                continue;
+            }
+            const int32_t pos = first + g;
+            const int64_t block = table[pos / bs];
+            const int slot = pos & (bs - 1);
+            _mm512_store_ps(ks + g, gather_scales16(a->k_scale, a, block, slot, h, live));
+            _mm512_store_ps(vs + g, gather_scales16(a->v_scale, a, block, slot, h, live));
+        }
+        return;
+    }
+#endif
     for (int t = 0; t < keys; t++) {
         if (t >= n) {
             ks[t] = vs[t] = 0.0f;
