@@ -65,7 +65,8 @@ class EngineConfig:
     bytes of one block (all layers, K and V, in ``kv_dtype``); ``kv_cache_bytes`` None: the
     blocks ``DEFAULT_KV_CACHE_BYTES`` holds in bf16, whatever the float dtype, or in int8
     with int8 KV. ``kv_dtype``: "auto" (the model's dtype) or "int8" (rows with a scale per
-    token and KV head, ``kernels.kv_layout``; read by the native CPU kernels).
+    token and KV head, ``kernels.kv_layout``; read by every backend, Triton through its
+    invariant kernel only).
     ``num_host_blocks`` sizes the host tier that evicted prefix blocks move to
     (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
