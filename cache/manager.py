@@ -6,6 +6,7 @@ Lifecycle of a sequence::
     mark_computed(seq, n)     KV of tokens [0, n) is written: full blocks join the index
     append_slots(seq, toks)   room for new tokens (copy-on-write into shared blocks)
     fork(seq, child)          child shares every block
+    stop_indexing(seq)        what it fills from now on stays private (beams)
     free(seq)                 indexed blocks stay cached, the rest return to the pool
 
 Every public method validates its input before changing anything, so an
@@ -468,7 +469,45 @@ class KVCacheManager:
                 self._matcher.index_computed(seq, num_full)
         self._after_mutation()
 
+    def num_append_blocks(self, seq_ids) -> int:
+        """Device blocks ``append_slots`` of one token to each of ``seq_ids`` in turn would
+        take now (distinct ids); changes nothing.
+
+        A fresh block where a sequence's last block is full; a copy where it is partial
+        and shared. Sharers of one partial block copy it one after another, and when
+        every holder is among ``seq_ids`` the last one finds it alone and writes in
+        place (the beams of a request, forked from one parent: W sharers, W - 1 copies).
+        So ``can_allocate(num_append_blocks(ids))`` is exactly whether those appends fit.
+        """
+        seq_ids = list(seq_ids)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("num_append_blocks takes distinct sequence ids")
+        bs = self.block_size
+        sharers: dict[int, int] = {}
+        needed = 0
+        for seq_id in seq_ids:
+            seq = self._seq(seq_id)
+            if len(seq.token_ids) % bs == 0:
+                needed += 1
+            else:
+                last = seq.table.block_ids[-1]
+                sharers[last] = sharers.get(last, 0) + 1
+        refcounts = self.tiers.device.refcounts
+        for block, count in sharers.items():
+            needed += count - 1 if refcounts[block] == count else count
+        return needed
+
     # -- forking and freeing ------------------------------------------------------
+
+    def stop_indexing(self, seq_id) -> None:
+        """The blocks the sequence fills from now on stay private: they never enter the
+        prefix index, so each returns to the free list as soon as no table holds it.
+
+        Its forks inherit this; what is indexed already stays. For beam search: a
+        pruned beam's blocks are released at once instead of lingering as cached
+        blocks no request will ask for (and evicting ones that would be).
+        """
+        self._seq(seq_id).index_stopped = True
 
     def fork(self, parent_seq_id, child_seq_id) -> None:
         """The child shares every block of the parent (copy-on-write on first write)."""

@@ -28,8 +28,8 @@ class Sequence:
         the next full block is indexed as its child.
     pinned: index nodes this sequence chains through while holding its own
         identical copy of the block (see PrefixNode.pins).
-    index_stopped: a hash collision ended indexing for this sequence; its
-        later blocks stay private.
+    index_stopped: a hash collision, or ``stop_indexing`` (beam search), ended
+        indexing for this sequence; its later blocks stay private.
     pending: chained hashes of the prompt blocks ``[pending_start, ...)`` this
         sequence is computing and has not written yet (see ``cache.pending``).
     owner: digest of the session the sequence belongs to (b"": none); stamped

@@ -46,6 +46,7 @@ from chatsvc.engine.commands import (
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine, StepOutput
 from chatsvc.engine.loader import LoadedModel
+from chatsvc.engine.threads import WINDOW_S as THREADS_WINDOW_S
 from chatsvc.protocol import (
     ChatTemplate,
     EngineInfo,
@@ -354,7 +355,11 @@ class AsyncEngine:
                     # command waits at most this long) rather than at the next request.
                     engine.apply_io(IO_POLL_S)
                     continue
-                self._wake.wait()
+                # Idle: look at the other processes' use every window, so the team the
+                # next request starts with follows the last moments, not a window that
+                # spans the whole idle time (a client's start-up, long gone, in it).
+                if not self._wake.wait(THREADS_WINDOW_S):
+                    engine.watch_threads()
                 self._wake.clear()
                 continue
             self._deliver(engine.step())

@@ -8,6 +8,11 @@ children are forked from it (``cache.fork``: every prompt block shared,
 refcount + 1, the partial last block copied on first write) and each sample
 draws its first token from the same logits with its own seed.
 
+Beam search (``beam_width`` >= 2): the request's rows go to its ``BeamSearch``
+(``beam_search.py``) instead of sampling; each step it picks the next beams, which
+fork, take over or drop sequences on the block table, and when it ends the ``n``
+best hypotheses come back as one delta each (nothing is streamed before).
+
 Failure isolation: a failure that belongs to one request (non-finite logits in
 its row, its sampling, its stop handling or detokenization, a forward pass that
 fails with it alone) ends that request with EngineInternalError and frees its
@@ -24,13 +29,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from cache import KVCacheManager
 from cache.forget import owner_digest
 from chatsvc.engine.allocator import keep_freed_memory
+from chatsvc.engine.beam_search import BeamSearch, peak_blocks
 from chatsvc.engine.chat_format import ChatFormat
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.detokenizer import IncrementalDetokenizer
@@ -87,10 +93,15 @@ class _RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
     num_unfinished: int = 1
+    beams: BeamSearch | None = None  # a beam search's state; its beams are the live ones
 
     @property
     def needs_fork(self) -> bool:
         return len(self.seqs) < self.request.sampling.n
+
+    def live(self) -> list[Sequence]:
+        """The request's sequences now: its samples, or its search's running beams."""
+        return self.seqs if self.beams is None else self.beams.beams
 
 
 class LLMEngine:
@@ -205,6 +216,8 @@ class LLMEngine:
                 f"prompt + max_tokens = {longest} tokens need {num_blocks} KV blocks; "
                 f"the pool has {self.num_gpu_blocks}"
             )
+        if request.sampling.is_beam_search:
+            self._check_beams_fit(request, longest)
         state = _RequestState(
             request,
             stop_token_ids=self._stop_token_ids(request.sampling),
@@ -212,8 +225,29 @@ class LLMEngine:
         )
         seq = self._new_sequence(request, 0)
         state.seqs.append(seq)
+        if request.sampling.is_beam_search:
+            state.beams = seq.beams = BeamSearch(
+                seq, request.sampling, state.stop_token_ids, longest - num_prompt
+            )
         self._requests[request.request_id] = state
         self.scheduler.add(seq)
+
+    def _check_beams_fit(self, request: GenerationRequest, longest: int) -> None:
+        """Refuse a beam search that could not run alone (``peak_blocks``), or whose beams
+        could not decode in one step."""
+        width = request.sampling.beam_width
+        bs = self.config.block_size
+        if width > self.config.max_num_batched_tokens:
+            raise RequestValidationError(
+                f"beam_width {width} exceeds the {self.config.max_num_batched_tokens} tokens "
+                "a step computes: its beams decode in one step"
+            )
+        num_blocks = peak_blocks(len(request.prompt_token_ids), longest, width, bs)
+        if num_blocks > self.num_gpu_blocks:
+            raise RequestTooLargeError(
+                f"beam search of width {width} over {longest} tokens needs {num_blocks} "
+                f"KV blocks at its peak; the pool has {self.num_gpu_blocks}"
+            )
 
     def abort_request(self, request_id: str) -> list[StepOutput]:
         """Stop a request now and free its blocks; returns its final ``abort`` deltas.
@@ -225,6 +259,14 @@ class LLMEngine:
             return []
         outputs = []
         now = time.perf_counter()
+        if state.beams is not None:
+            self._drop_beams(state.beams)
+            metrics = self._metrics(state.beams.beams[0], now)
+            delta = GenerationDelta(0, [], "", "abort", metrics)
+            return [
+                StepOutput(request_id, replace(delta, index=index))
+                for index in range(state.beams.num_results)
+            ]
         for seq in state.seqs:
             if seq.is_finished:
                 continue
@@ -260,6 +302,12 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------
 
+    def watch_threads(self) -> None:
+        """Between steps and while idle: let the thread governor (threads.py) look at
+        what other processes use, so the next step's team follows the last window."""
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
+
     def step(self) -> list[StepOutput]:
         """Run one scheduler step; returns the deltas (and errors) it produced.
 
@@ -267,8 +315,7 @@ class LLMEngine:
         a failure of the scheduler, the cache plans or the cache's bookkeeping is
         raised (see the module docstring).
         """
-        if self.thread_governor is not None:
-            self.thread_governor.before_step()
+        self.watch_threads()
         io = self.step_io
         self.scheduler.finish_loads(io.finished_loads())
         out = self.scheduler.schedule()
@@ -354,7 +401,11 @@ class LLMEngine:
     def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         rows: list[int] = []
         targets: list[Sequence] = []
+        beam_rows: dict[str, dict[Sequence, int]] = {}
         for row, seq in enumerate(seqs):
+            if seq.beams is not None:
+                beam_rows.setdefault(seq.request.request_id, {})[seq] = row
+                continue
             rows.append(row)
             targets.append(seq)
             state = self._requests[seq.request.request_id]
@@ -362,6 +413,12 @@ class LLMEngine:
                 for child in self._fork_children(state, seq):
                     rows.append(row)
                     targets.append(child)
+        now = time.perf_counter()
+        outputs = []
+        for request_id, rows_of in beam_rows.items():
+            outputs.extend(self._beam_step(request_id, rows_of, logits, now))
+        if not targets:
+            return outputs
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         results = sample_rows(
@@ -371,8 +428,6 @@ class LLMEngine:
             [s.logits_state for s in targets],
         )
         scores = self._token_logprobs(targets, results, logits)
-        now = time.perf_counter()
-        outputs = []
         for row, (seq, result) in enumerate(zip(targets, results, strict=True)):
             request_id = seq.request.request_id
             if request_id not in self._requests:
@@ -407,16 +462,85 @@ class LLMEngine:
     def _fork_children(self, state: _RequestState, parent: Sequence) -> list[Sequence]:
         children = []
         for index in range(len(state.seqs), state.request.sampling.n):
-            child = self._new_sequence(state.request, index)
-            self.cache.fork(parent.seq_id, child.seq_id)
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.cached_by_tier = dict(parent.cached_by_tier)
-            child.arrival_time = parent.arrival_time
-            child.prompt_logprobs = parent.prompt_logprobs  # the same prompt, scored once
-            self.scheduler.add_forked(child)
+            child = self._fork(parent, index)
             state.seqs.append(child)
             children.append(child)
         return children
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """A running child sharing every block of ``parent`` (and its tokens so far)."""
+        child = self._new_sequence(parent.request, index)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.first_token_time = parent.first_token_time
+        child.last_token_time = parent.last_token_time
+        child.last_scheduled_step = parent.last_scheduled_step  # its place in the decode order
+        self.cache.fork(parent.seq_id, child.seq_id)
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.cached_by_tier = dict(parent.cached_by_tier)
+        child.arrival_time = parent.arrival_time
+        child.prompt_logprobs = parent.prompt_logprobs  # the same prompt, scored once
+        child.beams = parent.beams
+        self.scheduler.add_forked(child)
+        return child
+
+    # -- beam search ----------------------------------------------------------------
+
+    def _beam_step(
+        self, request_id: str, rows_of: dict[Sequence, int], logits: torch.Tensor, now: float
+    ) -> list[StepOutput]:
+        """One selection of a beam search from its beams' rows of ``logits``; when the
+        search ends, its answers. A failure here (non-finite logits, its text) is the
+        request's own."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []  # failed earlier in this step
+        search = state.beams
+        first = search.num_generated == 0
+        try:
+            # Every beam decoded in this step (the scheduler runs them together).
+            index = torch.tensor([rows_of[beam] for beam in search.beams], device=logits.device)
+            picks = search.select(logits.index_select(0, index))
+            answers = self._beam_answers(state, now) if search.done else []
+        except Exception as error:  # noqa: BLE001 - this request's own failure
+            return self._fail_internal(request_id, "beam search", error)
+        if search.done:
+            del self._requests[request_id]
+            self._drop_beams(search)
+            return answers
+        if first:
+            # The prompt's blocks are indexed; the beams' own die with them.
+            self.cache.stop_indexing(search.beams[0].seq_id)
+        search.advance(picks, lambda parent: self._fork(parent, 0), self._drop_beam, now)
+        return []
+
+    def _drop_beam(self, beam: Sequence) -> None:
+        self.scheduler.remove(beam)  # its blocks are freed now
+        beam.status = SequenceStatus.FINISHED
+        self.forgotten.finished(beam)
+
+    def _drop_beams(self, search: BeamSearch) -> None:
+        for beam in search.beams:
+            if not beam.is_finished:
+                self._drop_beam(beam)
+
+    def _beam_answers(self, state: _RequestState, now: float) -> list[StepOutput]:
+        """A finished search's ``n`` best hypotheses, one final delta each, best first; the
+        text as a streamed answer's would be (a stop token adds none)."""
+        beam = state.beams.beams[0]
+        if beam.first_token_time is None:  # the search ended at its first step
+            beam.first_token_time = beam.last_token_time = now
+        stop = state.stop_token_ids
+        outputs = []
+        for index, answer in enumerate(state.beams.results()):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, state.request.prompt_token_ids)
+            text = "".join(detokenizer.add_token(t) for t in answer.token_ids if t not in stop)
+            text += detokenizer.flush()
+            metrics = self._metrics(beam, now, len(answer.token_ids))
+            delta = GenerationDelta(
+                index, list(answer.token_ids), text, answer.finish_reason, metrics
+            )
+            outputs.append(StepOutput(state.request.request_id, delta))
+        return outputs
 
     def _append_token(
         self, seq: Sequence, token: int, now: float, score: TokenLogprob | None = None
@@ -485,7 +609,7 @@ class LLMEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return []
-        for seq in state.seqs:
+        for seq in state.live():
             if not seq.is_finished:
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.FINISHED
@@ -502,7 +626,9 @@ class LLMEngine:
         params = request.sampling
         session = request.labels.get("session")
         logits_state = None
-        if LogitsState.is_needed(params):
+        # A beam search masks its stop tokens itself (beam_search.py) and takes no other
+        # processing.
+        if LogitsState.is_needed(params) and not params.is_beam_search:
             logits_state = LogitsState(
                 params,
                 request.prompt_token_ids,
@@ -525,9 +651,12 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _metrics(seq: Sequence, now: float) -> RequestMetrics:
+    def _metrics(seq: Sequence, now: float, num_out: int | None = None) -> RequestMetrics:
+        """The figures of ``seq``'s sample; ``num_out``: its output tokens when another
+        count stands for them (a beam search's answer)."""
         first = seq.first_token_time
-        num_out = len(seq.output_token_ids)
+        if num_out is None:
+            num_out = len(seq.output_token_ids)
         tpot = 0.0
         if first is not None and num_out > 1 and seq.last_token_time is not None:
             tpot = (seq.last_token_time - first) / (num_out - 1)
@@ -577,7 +706,7 @@ class LLMEngine:
                 continue
             if request.namespace.tenant_salt != namespace.tenant_salt:
                 continue
-            chains.extend(seq.token_ids() for seq in state.seqs)
+            chains.extend(seq.token_ids() for seq in state.live())
             outputs.extend(self.abort_request(request_id))
         chains.append(list(token_ids))
         # Longest first: an aborted turn's blocks hang below the stored history.

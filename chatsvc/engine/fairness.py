@@ -38,9 +38,10 @@ def tenant_of(seq: Sequence) -> str:
 
 def slots_of(seq: Sequence) -> int:
     """Sequence slots ``seq`` takes: a first sample whose prompt is not computed yet
-    will fork into ``n`` samples, so it counts as all of them."""
+    will fork into ``n`` samples (a beam search's root into ``beam_width`` beams), so
+    it counts as all of them."""
     if seq.sample_index == 0 and not seq.output_token_ids:
-        return seq.request.sampling.n
+        return max(seq.request.sampling.n, seq.request.sampling.beam_width)
     return 1
 
 
@@ -153,6 +154,16 @@ class StepShares:
             else:
                 high = mid - 1
         return low
+
+    def fits_all(self, seqs: list[Sequence]) -> bool:
+        """Whether one token of each of ``seqs`` (one tenant's: a beam search's beams,
+        which go together or not at all) fits the tenant's share. The tenant's first
+        work in the step always does, so a search wider than a share still runs."""
+        tenant = tenant_of(seqs[0])
+        if tenant not in self.used:
+            return True
+        cost = sum(self._cost(seq, 1) for seq in seqs) if self.by_cost else len(seqs)
+        return cost <= self.left(seqs[0])
 
     def spend(self, seq: Sequence, tokens: int) -> None:
         tenant = tenant_of(seq)

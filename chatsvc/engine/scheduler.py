@@ -56,10 +56,21 @@ would have with a warm cache. Computing the first one alone would add a whole
 step (the model's weights read once more) to every other's first token, which
 costs far more than the reads it would overlap (docs/engine.md).
 
-No deadlock: a request that could never fit (more blocks than the pool) is
-refused at submit time, so a sequence alone in the engine always fits; if the
-sequence that cannot grow is the only candidate left it preempts itself and is
-re-admitted once the others finished or were preempted.
+Beam search (``beam_search.py``): a search is one request to the scheduler. Its
+root (the prompt) is admitted like any prompt, counting ``beam_width`` sequence
+slots and, on top of its prompt's blocks, one block per beam for the first fan-out.
+Its beams then decode together or not at all in a step (``_schedule_beams``: the
+next selection needs every beam's logits), and preemption takes them together:
+a victim that is a beam frees every beam's blocks, and the search starts over from
+its prompt (``BeamSearch.restart``; nothing was streamed, and the prompt's blocks
+come back from the prefix index). Preempting a single beam would leave its
+siblings waiting on it while holding their blocks.
+
+No deadlock: a request that could never fit (more blocks than the pool; a beam
+search by its peak, every beam at full length) is refused at submit time, so a
+sequence or search alone in the engine always fits; if the sequence (or search)
+that cannot grow is the only candidate left it preempts itself and is re-admitted
+once the others finished or were preempted.
 """
 
 from __future__ import annotations
@@ -183,6 +194,13 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or not seq.is_decode:
                 continue
+            if seq.seq_id in scheduled_ids:
+                continue  # a beam, scheduled with the others of its search
+            if seq.beams is not None:
+                budget -= self._schedule_beams(
+                    list(seq.beams.beams), budget, scheduled_ids, out, shares
+                )
+                continue
             if shares.fit(seq, 1) < 1:
                 continue
             slots = self._append_decode_slot(seq, scheduled_ids, out)
@@ -197,6 +215,8 @@ class Scheduler:
                 break
             if seq.seq_id in scheduled_ids or seq.status is not SequenceStatus.RUNNING:
                 continue
+            if seq.is_decode:
+                continue  # left out above; its token has no slot yet (append_slots)
             chunk = shares.fit(seq, min(seq.num_tokens_to_compute, budget))
             if chunk < 1:
                 continue
@@ -266,6 +286,10 @@ class Scheduler:
                 result = self.cache.append_slots(seq.seq_id, [seq.output_token_ids[-1]])
             except OutOfBlocksError:
                 victim = self._pick_victim(scheduled_ids)
+                if victim is None:
+                    raise AssertionError(
+                        "the sequence being scheduled is always a candidate"
+                    ) from None
                 self._preempt(victim, out)
                 if victim is seq:
                     return None
@@ -274,15 +298,57 @@ class Scheduler:
                 out.plans.append(result.plan)
             return result.slots
 
-    def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
+    def _schedule_beams(
+        self,
+        beams: list[Sequence],
+        budget: int,
+        scheduled_ids: set[int],
+        out: SchedulerOutput,
+        shares: StepShares,
+    ) -> int:
+        """One decode for every beam of a search, or none; returns the tokens taken.
+
+        Its beams go together: the next selection needs all their logits. The blocks
+        their appends take (``num_append_blocks``: fresh ones, one copy per extra
+        sharer of a partial block) are made room for first, by preempting others
+        newest first; when only the search itself is left, it is preempted (as a
+        whole, like any victim that is a beam).
+        """
+        if len(beams) > budget or not shares.fits_all(beams):
+            return 0
+        ids = {beam.seq_id for beam in beams}
+        needed = self.cache.num_append_blocks([beam.seq_id for beam in beams])
+        while not self.cache.can_allocate(needed):
+            victim = self._pick_victim(scheduled_ids | ids)
+            self._preempt(beams[0] if victim is None else victim, out)
+            if victim is None:
+                return 0
+        for beam in beams:
+            result = self.cache.append_slots(beam.seq_id, [beam.output_token_ids[-1]])
+            if not result.plan.is_empty:
+                out.plans.append(result.plan)
+            self._schedule(beam, 1, result.slots, out, shares)
+            scheduled_ids.add(beam.seq_id)
+        return len(beams)
+
+    def _pick_victim(self, excluded: set[int]) -> Sequence | None:
+        """The newest running sequence not in ``excluded`` (those scheduled this step)."""
         for seq in reversed(self.running):
-            if seq.seq_id not in scheduled_ids:
+            if seq.seq_id not in excluded:
                 return seq
-        raise AssertionError("the sequence being scheduled is always a candidate")
+        return None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
-        self.cache.free(seq.seq_id)
+        """Free the sequence's blocks and queue it first. A beam takes its whole search
+        along, which starts over from its prompt (``BeamSearch.restart``)."""
+        if seq.beams is None:
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id)
+        else:
+            for beam in seq.beams.beams:
+                self.running.remove(beam)
+                self.cache.free(beam.seq_id)
+            seq = seq.beams.restart()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -332,6 +398,9 @@ class Scheduler:
                 self.num_deferrals += 1
                 continue
             needed = match.num_blocks_needed
+            if seq.beams is not None:
+                # Room for the first fan-out too: each beam's first token takes a block.
+                needed += seq.beams.width
             if not self.cache.can_allocate(needed):
                 if not self.running and not out.scheduled and not self.loading:
                     # Nothing else holds blocks: it will never fit. Refused at submit

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,16 @@ class SequenceStatus(enum.Enum):
     LOADING = "loading"  # holds blocks, waits for the disk tier to fill some of them
     PREEMPTED = "preempted"  # blocks freed, waiting for re-admission
     FINISHED = "finished"
+
+
+class Beams(Protocol):
+    """The beam search a sequence is a beam of (``chatsvc.engine.beam_search.BeamSearch``):
+    what the scheduler needs to admit, run and preempt its beams as one request."""
+
+    width: int
+    beams: list[Sequence]
+
+    def restart(self) -> Sequence: ...
 
 
 @dataclass(eq=False)
@@ -76,6 +87,8 @@ class Sequence:
     # token_ids(), hashed once for every look at the cache, and kept so a preempted
     # sequence is not hashed again.
     block_chain: BlockChain | None = None
+    # The beam search this sequence is a beam of (None: a sampled or greedy sample).
+    beams: Beams | None = None
 
     @property
     def sampling(self) -> SamplingParams:

@@ -30,6 +30,9 @@ WINDOW_S = 0.5
 # Another process's use counts from this share of a core on: a light client or a
 # daemon's tick does not cost the team a thread.
 OTHERS_COUNT_FROM = 0.5
+# A window longer than this says nothing of now: it spans a start-up (the kernels' build
+# by the compiler, another process) or a long step; it only starts a new one.
+STALE_S = 4 * WINDOW_S
 
 
 def set_torch_threads(num_threads: int | None) -> int:
@@ -89,7 +92,10 @@ class ThreadGovernor:
     (busy time of our CPUs minus ours), is taken off ``most`` once it reaches
     ``OTHERS_COUNT_FROM`` of a core; never fewer than one thread. With fewer threads
     the others keep their core and the figure stays, so the team grows back only
-    once they stop. Where ``/proc`` says nothing the team stays at ``most``.
+    once they stop. A window longer than ``STALE_S`` decides nothing (it only starts the
+    next): the engine looks every window while idle too (``LLMEngine.watch_threads``),
+    so only a start-up or a long step leaves one that old. Where ``/proc`` says nothing
+    the team stays at ``most``.
     """
 
     def __init__(
@@ -117,7 +123,7 @@ class ThreadGovernor:
             return self.threads
         current = self._read(self._cpus)
         self._last = (now, current)
-        if current is None:
+        if current is None or now - then > STALE_S:
             return self.threads
         others = ((current[0] - seen[0]) - (current[1] - seen[1])) / (now - then)
         taken = math.floor(others + (1 - OTHERS_COUNT_FROM)) if others > 0 else 0

@@ -23,6 +23,7 @@ from chatsvc.protocol.errors import (
 )
 from chatsvc.protocol.requests import (
     CACHE_TIERS,
+    MAX_BEAM_WIDTH,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRING_CHARS,
@@ -39,6 +40,7 @@ from chatsvc.protocol.requests import (
 
 __all__ = [
     "CACHE_TIERS",
+    "MAX_BEAM_WIDTH",
     "MAX_LOGPROBS",
     "MAX_N",
     "MAX_STOP_STRINGS",

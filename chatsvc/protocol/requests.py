@@ -34,6 +34,12 @@ MAX_REPETITION_PENALTY = 2.0
 MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+# Beam search: widths as TensorRT-LLM's and vLLM's servers offer them. The length
+# penalty is an exponent on the answer's length: past 4, a long answer's divisor
+# leaves every score within rounding of 0 in fp32 (8,192 ** 4 is 4.5e15).
+MAX_BEAM_WIDTH = 8
+MAX_LENGTH_PENALTY = 4.0
+EARLY_STOPPING = (True, False, "never")
 
 FinishReason = Literal["stop", "length", "abort"]
 CACHE_TIERS = ("device", "host", "disk")
@@ -65,6 +71,14 @@ class SamplingParams:
     logits, before any processing, temperature or filter), as vLLM's default.
     A request with ``prompt_logprobs`` computes its whole prompt (the prefix cache
     is not read for it, only written), since a cached token has no logits.
+
+    ``beam_width`` >= 2: beam search instead of sampling, with transformers'
+    ``generate(num_beams=beam_width, do_sample=False)`` semantics
+    (``chatsvc.engine.beam_search``): the ``n`` best finished beams come back, best
+    first; ``length_penalty`` and ``early_stopping`` (True, False or "never") as
+    there. It is deterministic, so the sampling fields must be neutral (temperature
+    0, no top-p/top-k/min-p, penalties, bias, logprobs or stop strings); the stop
+    tokens, ``ignore_eos``, ``min_tokens`` and ``max_tokens`` apply. 1 = off.
     """
 
     max_tokens: int = 256
@@ -84,6 +98,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @property
     def is_greedy(self) -> bool:
@@ -92,6 +109,10 @@ class SamplingParams:
     def sample_seed(self, index: int) -> int | None:
         """The seed of sample ``index`` (None: drawn from the OS, not reproducible)."""
         return None if self.seed is None else self.seed + index
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1
 
     @property
     def has_penalties(self) -> bool:
@@ -157,6 +178,7 @@ class SamplingParams:
                 )
         self._validate_processing(vocab_size)
         self._validate_logprobs()
+        self._validate_beams()
         return self
 
     def _validate_processing(self, vocab_size: int | None) -> None:
@@ -219,6 +241,56 @@ class SamplingParams:
                 raise RequestValidationError(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
+
+    def _validate_beams(self) -> None:
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise RequestValidationError(
+                f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}] (1 = no beam search), "
+                f"got {self.beam_width!r}"
+            )
+        if not _is_number(self.length_penalty) or not (
+            -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY
+        ):
+            raise RequestValidationError(
+                f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                f"got {self.length_penalty!r}"
+            )
+        if not any(self.early_stopping is value for value in EARLY_STOPPING):
+            raise RequestValidationError(
+                f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
+            )
+        if not self.is_beam_search:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                raise RequestValidationError(
+                    "length_penalty and early_stopping apply to beam search only: "
+                    "give beam_width >= 2"
+                )
+            return
+        if self.n > self.beam_width:
+            raise RequestValidationError(
+                f"n ({self.n}) must not exceed beam_width ({self.beam_width}): "
+                "beam search returns its n best beams"
+            )
+        # Beam search keeps the likeliest continuations: nothing is drawn, so none of
+        # the sampling fields has a meaning, and a field that seems to work but does
+        # not is worse than a refusal.
+        conflicts = [
+            (not self.is_greedy, "temperature must be 0"),
+            (self.top_p != 1.0, "top_p must be 1"),
+            (self.top_k != 0, "top_k must be 0 (off)"),
+            (self.min_p != 0.0, "min_p must be 0"),
+            (self.has_penalties, "it takes no repetition, frequency or presence penalty"),
+            (bool(self.logit_bias), "it takes no logit_bias"),
+            (self._wants_logprobs, "it returns no logprobs or prompt_logprobs"),
+            (bool(self.stop), "it takes no stop strings (stop_token_ids work)"),
+        ]
+        for broken, rule in conflicts:
+            if broken:
+                raise RequestValidationError(f"beam search does not sample: {rule}")
+
+    @property
+    def _wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.prompt_logprobs is not None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """KVCacheManager behaviour: matching, namespaces, collisions, CoW, eviction, tiers."""
 
+import pytest
+
 import cache.hashing
 from cache import KVCacheManager, Namespace
 
@@ -130,6 +132,46 @@ def test_append_across_block_boundary_allocates_without_copy_even_if_shared():
     blocks = mgr.block_table("c")
     assert len(blocks) == 3 and blocks[0] == mgr.block_table("p")[0]
     assert result.slots == [blocks[1] * BS + i for i in range(4)] + [blocks[2] * BS]
+
+
+def test_num_append_blocks_counts_fresh_blocks_and_copies_like_the_appends():
+    mgr = make()
+    run_prompt(mgr, "p", [1, 2, 3, 4, 5, 6])  # blocks: [full][2 of 4], both shared below
+    for child in ("c1", "c2", "c3"):
+        mgr.fork("p", child)
+    beams = ["p", "c1", "c2", "c3"]
+    # Four sharers of the partial block: three copy it, the last writes in place.
+    assert mgr.num_append_blocks(beams) == 3
+    # An outside sharer keeps it shared for every one of them.
+    assert mgr.num_append_blocks(beams[:2]) == 2
+    free = mgr.stats_snapshot()["device"]["free"]
+    copies = [mgr.append_slots(seq, [7]).plan.copies for seq in beams]
+    assert sum(len(c) for c in copies) == 3 and copies[-1] == ()
+    assert free - mgr.stats_snapshot()["device"]["free"] == 3
+    # Each partial block now has one holder: no copy, until the blocks fill up.
+    assert mgr.num_append_blocks(beams) == 0
+    for seq in beams:
+        mgr.append_slots(seq, [8])
+    assert mgr.num_append_blocks(beams) == 4  # every last block is full: a fresh one each
+    with pytest.raises(ValueError, match="distinct"):
+        mgr.num_append_blocks(["p", "p"])
+
+
+def test_stop_indexing_frees_later_blocks_at_once_and_keeps_the_indexed_ones():
+    mgr = make()
+    run_prompt(mgr, "p", list(range(10)))  # two full blocks indexed, one partial
+    mgr.stop_indexing("p")
+    mgr.fork("p", "c")  # the fork inherits it
+    for seq in ("p", "c"):
+        mgr.append_slots(seq, [int(seq == "c"), 2, 3, 4])  # fills the third block, starts a fourth
+        mgr.mark_computed(seq, 14)
+    assert mgr.stats_snapshot()["indexed_blocks"] == 2
+    mgr.free("c")
+    mgr.free("p")
+    snap = mgr.stats_snapshot()["device"]
+    assert snap["used"] == 0 and snap["cached"] == 2 and snap["free"] == 16 - 2
+    # The prompt's own blocks are still a hit.
+    assert mgr.allocate("q", list(range(10)), TENANT_A).num_cached_tokens == 8
 
 
 def test_eviction_takes_least_recently_used_leaf_first():

@@ -133,6 +133,28 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.mgr.seq_ids)
     @rule(data=st.data())
+    def append_each(self, data):
+        # One token to each of several sequences (a beam search's step): the blocks
+        # num_append_blocks predicts are exactly the blocks the appends take.
+        ids = sorted(self.mgr.seq_ids, key=str)
+        chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=4, unique=True))
+        needed = self.mgr.num_append_blocks(chosen)
+        if not self.mgr.can_allocate(needed):
+            return
+        available = self.mgr.tiers.num_available
+        for seq_id in chosen:
+            self._apply(self.mgr.append_slots(seq_id, [1]).plan)
+        assert available - self.mgr.tiers.num_available == needed
+
+    @precondition(lambda self: self.mgr.seq_ids)
+    @rule(data=st.data())
+    def stop_indexing(self, data):
+        seq_id = self._seq(data)
+        self.mgr.stop_indexing(seq_id)
+        self.prompts.pop(seq_id, None)  # its later blocks are never cached
+
+    @precondition(lambda self: self.mgr.seq_ids)
+    @rule(data=st.data())
     def free(self, data):
         seq_id = self._seq(data)
         self.mgr.free(seq_id)

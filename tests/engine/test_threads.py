@@ -107,6 +107,23 @@ def test_the_team_never_drops_below_one_and_looks_once_a_window():
     assert governor.before_step() == 2 and applied == [1, 2]
 
 
+def test_a_window_spanning_a_start_up_decides_nothing_and_idle_looks_keep_it_fresh():
+    """A compiler building the kernels while the model loads is long gone when the first
+    request comes: a window that old only starts the next one (it was 1.8x the tenth
+    request's TTFT, the first request on one thread, bench.first_requests)."""
+    usage, applied = Usage(), []
+    governor = _governor(usage, applied)
+    usage.pass_time(10.0, ours_cores=1.0, others_cores=0.7)  # load + the kernels' build
+    assert governor.before_step() == 2 and applied == []
+    usage.pass_time(WINDOW_S, ours_cores=2.0, others_cores=0.0)
+    assert governor.before_step() == 2 and applied == []
+    # Idle looks every window follow a neighbour that starts and stops while no step runs.
+    usage.pass_time(WINDOW_S, ours_cores=0.0, others_cores=1.0)
+    assert governor.before_step() == 1 and applied == [1]
+    usage.pass_time(WINDOW_S, ours_cores=0.0, others_cores=0.0)
+    assert governor.before_step() == 2 and applied == [1, 2]
+
+
 def test_a_fixed_count_has_no_governor(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert governor_for(None) is None

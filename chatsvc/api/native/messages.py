@@ -77,7 +77,8 @@ class MessageController(Controller):
         tenant: TenantDep,
     ) -> Response[TurnResult] | ServerSentEvent:
         """One turn. 409 while another turn of the session runs; 429 over the tenant's
-        concurrent-generation limit. With ``stream: true`` the answer is an SSE stream.
+        concurrent-generation limit. With ``stream: true`` the answer is an SSE stream
+        (with ``beam_width`` one ``delta`` at the end: the best beam is known only then).
         ``regenerate`` / ``parent_message_id`` branch (see PostMessage)."""
         spec = _spec(services, data)
         sampling, requested = build_sampling(
@@ -88,6 +89,9 @@ class MessageController(Controller):
             top_k=data.top_k,
             seed=data.seed,
             stop=data.stop,
+            beam_width=data.beam_width,
+            length_penalty=data.length_penalty,
+            early_stopping=data.early_stopping,
         )
         turn, hold = await begin_turn(services, tenant, session_id, spec, sampling, requested)
         events = run_turn(services, tenant, turn, hold)

@@ -77,7 +77,9 @@ class SamplingOptions(Request):
     """Sampling options shared by native messages; ranges are checked by SamplingParams.
 
     Unset (or null) sampling fields take the served model's defaults
-    (``engine.sampling_defaults``)."""
+    (``engine.sampling_defaults``). ``beam_width`` 2-8: beam search instead of sampling
+    (its best beam is the answer), with transformers' ``length_penalty`` and
+    ``early_stopping``; the sampling fields must then be left unset (or neutral)."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -85,6 +87,9 @@ class SamplingOptions(Request):
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class PostMessage(SamplingOptions, kw_only=True):

@@ -86,7 +86,9 @@ class ChatCompletionsController(Controller):
     ) -> Response[ChatCompletion] | ServerSentEvent:
         """Non-streaming: one ChatCompletion. ``stream: true``: chat.completion.chunk
         events ending with ``data: [DONE]``; usage in a last chunk with
-        ``stream_options.include_usage``."""
+        ``stream_options.include_usage``. ``beam_width`` (extension): beam search, the
+        ``n`` best beams as the choices, best first; streamed, each comes whole at the
+        end (the best beams are known only when the search ends)."""
         check_caller_ids(data.prompt_cache_key, data.user, data.safety_identifier)
         request = await _build_request(services, tenant, data)
         estimate = response_size.chat_completion_bytes(request, data.stream)
@@ -198,7 +200,15 @@ async def _build_request(
     if messages[-1]["role"] == "assistant":
         raise InvalidRequestError("the last message must not be the assistant's")
     requested = data.max_completion_tokens if data.max_tokens is None else data.max_tokens
-    sampling, requested = build_sampling(services, data, requested, logprobs=_logprobs_of(data))
+    sampling, requested = build_sampling(
+        services,
+        data,
+        requested,
+        logprobs=_logprobs_of(data),
+        beam_width=data.beam_width,
+        length_penalty=data.length_penalty,
+        early_stopping=data.early_stopping,
+    )
     prompt = await format_chat(services.engine.chat_format.render, messages)
     sampling = fit_context(services, len(prompt), sampling, requested)
     labels = {"tenant": tenant.id}

@@ -63,8 +63,12 @@ def build_sampling(
     max_tokens: int | None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    **beams,
 ):
-    """``(SamplingParams, requested max_tokens)`` for ``data``; 400 naming a bad field."""
+    """``(SamplingParams, requested max_tokens)`` for ``data``; 400 naming a bad field.
+
+    ``beams``: the beam search fields of an endpoint that takes them (``beam_width``,
+    ``length_penalty``, ``early_stopping``)."""
     if data.stream_options is not None and not data.stream:
         raise InvalidRequestError("stream_options is only allowed with stream: true")
     top_k = data.top_k
@@ -89,6 +93,7 @@ def build_sampling(
         stop_token_ids=tuple(data.stop_token_ids or ()),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        **beams,
     )
 
 

@@ -50,6 +50,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # id, whose text becomes the leading system message. Only a shared prompt named
     # here puts the conversation's head in the public cache namespace.
     system_prompt_id: str | None = None
+    # Extension (extra_body), as TensorRT-LLM and transformers name them: beam search
+    # of this width (2-8); the n best beams are the choices, best first.
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):

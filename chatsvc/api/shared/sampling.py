@@ -10,8 +10,12 @@ from dataclasses import replace
 from typing import Any
 
 from chatsvc.api.shared.errors import ContextLengthError, InvalidRequestError
-from chatsvc.protocol import RequestValidationError, SamplingParams
+from chatsvc.protocol import RequestValidationError, SamplingDefaults, SamplingParams
 from chatsvc.service import Services
+
+# What a beam search's unset sampling fields take: it draws nothing, so the model's
+# sampling defaults (temperature 0.2, say) would only make it refuse the request.
+NEUTRAL = SamplingDefaults(temperature=0.0, source="beam search")
 
 
 def build_sampling(
@@ -26,24 +30,37 @@ def build_sampling(
     n: int = 1,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
+    beam_width: int | None = None,
+    length_penalty: float | None = None,
+    early_stopping: bool | str | None = None,
     **options: Any,
 ) -> tuple[SamplingParams, int | None]:
     """SamplingParams from request fields, with the service's caps; 400 on bad values.
 
     A sampling field given as None takes the served model's default
-    (``engine.sampling_defaults``: its generation config, else the built-in one).
-    ``options``: further SamplingParams fields (penalties, logit_bias, min_tokens,
-    ignore_eos, stop_token_ids, logprobs, prompt_logprobs). ``max_tokens`` stays None
-    here when not given: it is resolved against the prompt's length by ``fit_context``.
+    (``engine.sampling_defaults``: its generation config, else the built-in one);
+    with beam search (``beam_width`` >= 2) its neutral value instead (temperature 0,
+    no filter or penalty: a beam search samples nothing, and any other value is a
+    400), and ``length_penalty`` / ``early_stopping`` take transformers' defaults
+    (1.0, false). ``options``: further SamplingParams fields (penalties, logit_bias,
+    min_tokens, ignore_eos, stop_token_ids, logprobs, prompt_logprobs).
+    ``max_tokens`` stays None here when not given: it is resolved against the
+    prompt's length by ``fit_context``.
     """
-    defaults = services.engine.sampling_defaults
     limits = services.settings.limits
+    beams = beam_width is not None and beam_width > 1
+    defaults = NEUTRAL if beams else services.engine.sampling_defaults
     if max_tokens is not None and max_tokens > limits.max_tokens_cap:
         raise InvalidRequestError(
             f"max_tokens {max_tokens} exceeds this server's cap of {limits.max_tokens_cap}"
         )
     if n > limits.max_n:
         raise InvalidRequestError(f"n {n} exceeds this server's cap of {limits.max_n}")
+    if beams and beam_width > limits.max_n:
+        # A search runs beam_width sequences, as n samples run n.
+        raise InvalidRequestError(
+            f"beam_width {beam_width} exceeds this server's cap of {limits.max_n}"
+        )
     # Until fit_context sizes an absent max_tokens, any value min_tokens allows.
     placeholder = max(1, options.get("min_tokens") or 0)
     try:
@@ -59,6 +76,9 @@ def build_sampling(
             repetition_penalty=(
                 defaults.repetition_penalty if repetition_penalty is None else repetition_penalty
             ),
+            beam_width=1 if beam_width is None else beam_width,
+            length_penalty=1.0 if length_penalty is None else length_penalty,
+            early_stopping=False if early_stopping is None else early_stopping,
             **options,
         ).validate(services.engine.vocab_size)
     except (RequestValidationError, TypeError) as exc:
