@@ -17,6 +17,12 @@ the C kernel then attends to them once per group of sequences on the tile unit
 compiler flags (e.g. ``-mno-avx512bf16``: the path of CPUs without AVX512-BF16;
 ``-mno-amx-tile``: without the tile unit), run in the same rounds, so a kernel
 change is measured against what it replaces.
+
+``--kv-dtype int8`` measures an int8 KV cache instead (``kernels/kv_layout.py``): decodes
+of one and of 16 sequences over ``--contexts`` tokens, the native kernel over the same
+K/V in the model dtype and quantized to int8, interleaved:
+
+    .venv/bin/python -m bench.cpu_attention --kv-dtype int8 [--contexts 500,1000,4000,16000]
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from kernels.cpu import native
 from kernels.cpu.attention import paged_attention_native
 from kernels.extend_attention import paged_extend_attention_torch
 from kernels.extend_metadata import extend_metadata
+from kernels.kv_layout import KVShape, layer_kv, new_kv_pool
+from kernels.kv_quant import quantize_rows
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
@@ -102,6 +110,60 @@ def case_fns(
     return paths
 
 
+def kv_dtype_fns(context: int, batch: int, dtype: torch.dtype, lib=None):
+    """Decodes of ``batch`` sequences over ``context`` tokens: the native kernel over K/V
+    in ``dtype`` ("float") and over the same K/V quantized to int8 ("int8")."""
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-context // BLOCK)
+    num_blocks = batch * per_seq + 1
+    shape = KVShape(LAYERS, BLOCK, KV_HEADS, HEAD_DIM)
+    pools = {"float": new_kv_pool(num_blocks, shape, dtype, "cpu")}
+    pools["int8"] = new_kv_pool(num_blocks, shape, torch.int8, "cpu")
+    for index in range(LAYERS):
+        floats, quantized = layer_kv(pools["float"], index), layer_kv(pools["int8"], index)
+        for kv in (0, 1):
+            values = torch.randn(floats[kv].shape, generator=gen).to(dtype)
+            floats[kv].copy_(values)
+            q, scale = quantize_rows(values)
+            quantized[kv].copy_(q)
+            quantized.scales[kv].copy_(scale)
+    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    seqs = torch.arange(batch, dtype=torch.int32)
+    out = torch.empty_like(query)
+
+    def path(pool):
+        def run() -> torch.Tensor:
+            for index in range(LAYERS):
+                k, v, scales = layer_kv(pool, index)
+                inputs = AttentionInputs(query, k, v, tables, starts, lens, HEAD_DIM**-0.5)
+                paged_attention_native(inputs, seqs, out, lib, scales=scales)
+            return out
+
+        return run
+
+    return {name: path(pool) for name, pool in pools.items()}
+
+
+def compare_kv_dtypes(dtype: torch.dtype, contexts: list[int], rounds: int) -> None:
+    head = (
+        "| sequences | context | native, KV in the model dtype | native, int8 KV | int8 / float |"
+    )
+    print(f"dtype {dtype}, threads {torch.get_num_threads()}, decode ms per layer (median)\n")
+    print(head)
+    print("|---" * head.count(" |") + "|")
+    for batch in (1, 16):
+        for context in contexts:
+            ms = interleaved_medians(kv_dtype_fns(context, batch, dtype), rounds)
+            base, quant = ms["float"] / LAYERS, ms["int8"] / LAYERS
+            print(
+                f"| {batch} | {context} | {base:.3f} | {quant:.3f} | {quant / base:.2f} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -111,8 +173,13 @@ def main() -> None:
         default="",
         help="extra compiler flags of a second native build to compare (space-separated)",
     )
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--contexts", default="500,1000,2000,4000,16000")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.kv_dtype == "int8":
+        compare_kv_dtypes(dtype, [int(c) for c in args.contexts.split(",")], args.rounds)
+        return
     baseline = None
     head = "| step | new tokens | context | sequences | shared | torch | native | native / torch |"
     if args.baseline_flags:

@@ -189,7 +189,8 @@ async def start_engine(services: Services) -> None:
         # The library's hash tells an operator which compiled kernels run inside the service.
         digest = info.kernel_library_sha256
         log.info(
-            "engine loaded in %.1f s: %s, %s, weights %s, kernels %s%s, %d KV blocks of %d tokens",
+            "engine loaded in %.1f s: %s, %s, weights %s, kernels %s%s, "
+            "%d KV blocks of %d tokens in %s",
             loaded,
             info.model_name,
             info.dtype,
@@ -198,6 +199,7 @@ async def start_engine(services: Services) -> None:
             f" (library sha256 {digest})" if digest else "",
             info.num_gpu_blocks,
             info.block_size,
+            info.kv_dtype,
         )
         services.starting = "warming up"
         began = time.perf_counter()

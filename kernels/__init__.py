@@ -34,6 +34,12 @@ only the attention):
   host sync on CUDA, so a hot path fed by the trusted cache manager may turn
   them off. Shape, dtype and device checks always run.
 
+- ``scales``: for an int8 KV cache (``kernels.kv_layout``: int8 rows with a scale per
+  token and head), the caches' scale views (``KVScales``; ``kv_layout.layer_kv`` splits a
+  layer of the pool into both). ``write_kv`` quantizes on every backend; the attention
+  reads int8 caches on every backend (Triton's invariant kernels only: with
+  ``invariant=False`` the triton backend raises ``ValueError``).
+
 Bad input raises ``ValueError`` before any memory is touched.
 """
 
@@ -52,6 +58,7 @@ from kernels.extend_attention import (
     paged_extend_attention_triton,
 )
 from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
+from kernels.kv_layout import KVScales
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope_
 from kernels.span_attention import paged_attention_spans
@@ -59,6 +66,7 @@ from kernels.span_attention_triton import paged_attention_spans_triton
 from kernels.span_metadata import SpanMetadata, check_span_metadata
 from kernels.step.write_index import WriteIndex, check_write_index
 from kernels.swiglu import swiglu
+from kernels.validate import check_kv_scales
 from kernels.write_kv import check_write_kv, write_kv_native, write_kv_torch, write_kv_triton
 
 __all__ = [
@@ -82,25 +90,27 @@ def write_kv(
     backend: str | None = None,
     check_bounds: bool = True,
     index: WriteIndex | None = None,
+    scales: KVScales | None = None,
 ) -> None:
     """Store ``key``/``value`` ``[T, H_kv, D]`` into slots ``slot_mapping [T]`` (-1 = skip).
 
     ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, H_kv, D]``
-    views of the pool, written in place. Slots must be distinct. ``index``
+    views of the pool, written in place (an int8 cache: quantized rows, their scales
+    into ``scales``). Slots must be distinct. ``index``
     (``kernels.step.write_index.write_index`` of the same slots) spares the torch
     path re-deriving it in every layer; Triton and native ignore it.
     """
-    check_write_kv(k_cache, v_cache, key, value, slot_mapping, check_bounds)
-    chosen = choose_kernels(k_cache.device, k_cache.dtype, backend=backend).backend
+    check_write_kv(k_cache, v_cache, key, value, slot_mapping, check_bounds, scales)
+    chosen = choose_kernels(k_cache.device, key.dtype, backend=backend).backend
     if chosen == "triton":
-        write_kv_triton(k_cache, v_cache, key, value, slot_mapping)
+        write_kv_triton(k_cache, v_cache, key, value, slot_mapping, scales)
         return
     if index is not None:
         check_write_index(index, key.shape[0], k_cache.shape[1])
     if chosen == "native":
-        write_kv_native(k_cache, v_cache, key, value, slot_mapping)
+        write_kv_native(k_cache, v_cache, key, value, slot_mapping, scales=scales)
         return
-    write_kv_torch(k_cache, v_cache, key, value, slot_mapping, index)
+    write_kv_torch(k_cache, v_cache, key, value, slot_mapping, index, scales)
 
 
 def paged_decode_attention(
@@ -116,6 +126,7 @@ def paged_decode_attention(
     partition_size: int | None = None,
     metadata: ExtendMetadata | SpanMetadata | None = None,
     invariant: bool = True,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -131,14 +142,18 @@ def paged_decode_attention(
     """
     inputs = AttentionInputs(query, k_cache, v_cache, block_tables, None, context_lens, scale)
     check_decode(inputs, check_bounds)
-    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend, invariant)
+    check_kv_scales(k_cache, scales)
+    choice = choose_kernels(
+        query.device, query.dtype, query.shape[-1], backend, invariant, k_cache.dtype
+    )
     if choice.backend == "triton":
         if not choice.invariant:
             return paged_decode_attention_triton(inputs, partition_size)
         if partition_size is not None:
             raise ValueError("partition_size applies with invariant=False (spans are fixed)")
-        return paged_attention_spans_triton(inputs.one_token_each(), max_query_len=1)
-    return _attention_on_cpu(inputs.one_token_each(), choice, metadata)
+        decode = inputs.one_token_each()
+        return paged_attention_spans_triton(decode, max_query_len=1, scales=scales)
+    return _attention_on_cpu(inputs.one_token_each(), choice, metadata, scales)
 
 
 def paged_extend_attention(
@@ -155,6 +170,7 @@ def paged_extend_attention(
     max_query_len: int | None = None,
     metadata: ExtendMetadata | SpanMetadata | None = None,
     invariant: bool = True,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of new-token chunks over their cached prefix and themselves.
 
@@ -170,23 +186,30 @@ def paged_extend_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
     check_extend(inputs, check_bounds)
-    choice = choose_kernels(query.device, query.dtype, query.shape[-1], backend, invariant)
+    check_kv_scales(k_cache, scales)
+    choice = choose_kernels(
+        query.device, query.dtype, query.shape[-1], backend, invariant, k_cache.dtype
+    )
     if choice.backend == "triton":
         if choice.invariant:
-            return paged_attention_spans_triton(inputs, max_query_len)
+            return paged_attention_spans_triton(inputs, max_query_len, scales=scales)
         return paged_extend_attention_triton(inputs, max_query_len)
-    return _attention_on_cpu(inputs, choice, metadata)
+    return _attention_on_cpu(inputs, choice, metadata, scales)
 
 
 def _attention_on_cpu(
     inputs: AttentionInputs,
     choice: KernelChoice,
     metadata: ExtendMetadata | SpanMetadata | None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """The native or torch path of checked inputs that have their start tensor."""
     _check_metadata(metadata, inputs, choice)
     if choice.backend == "native":
-        return paged_extend_attention_native(inputs, metadata, choice.invariant)
+        return paged_extend_attention_native(inputs, metadata, choice.invariant, scales)
+    if scales is not None:  # int8 KV: the span tasks dequantize, the groups read floats
+        plan = metadata if isinstance(metadata, SpanMetadata) else None
+        return paged_attention_spans(inputs, plan, scales)
     if choice.invariant:
         return paged_attention_spans(inputs, metadata)
     return paged_extend_attention_torch(inputs, metadata)

@@ -41,6 +41,7 @@ from kernels.cpu import native
 from kernels.cpu.narrow_linear import narrow_linear_available
 from kernels.cpu.pair_linear import pair_linear_available
 from kernels.cpu.tile_linear import tile_linear_available
+from kernels.kv_layout import QUANT_DTYPE, is_quantized
 
 BACKENDS = ("auto", "torch", "native", "triton")
 ENV_VAR = "CHATSVC_KERNEL_BACKEND"
@@ -88,18 +89,32 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return choice
 
 
-def native_takes(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
-    """Whether the C kernels take such tensors: on the CPU, fp32 or bf16, and for the
-    attention (``head_dim`` given) a head size that is a multiple of 16 (its vector
-    width) up to 256."""
+def native_takes(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> bool:
+    """Whether the C kernels take such tensors: on the CPU, fp32 or bf16, KV caches of
+    that dtype or int8 (``kv_dtype``, None: ``dtype``), and for the attention
+    (``head_dim`` given) a head size that is a multiple of 16 (its vector width) up to 256."""
     heads_fit = head_dim is None or (head_dim % 16 == 0 and head_dim <= 256)
-    return device.type == "cpu" and dtype in native.DTYPE_CODES and heads_fit
+    kv_fits = kv_dtype is None or kv_dtype in (dtype, QUANT_DTYPE)
+    return device.type == "cpu" and dtype in native.DTYPE_CODES and heads_fit and kv_fits
 
 
-def native_max_query(dtype: torch.dtype, head_dim: int, lib: ctypes.CDLL | None = None) -> int:
+def native_max_query(
+    dtype: torch.dtype,
+    head_dim: int,
+    lib: ctypes.CDLL | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> int:
     """New tokens per sequence up to which the native backend runs the C attention:
     ``NATIVE_MAX_QUERY_TILES`` where bf16 runs take the tile unit, else
-    ``NATIVE_MAX_QUERY``. ``lib``: a library ``kernels.cpu.native`` built (default: its own)."""
+    ``NATIVE_MAX_QUERY``; every run for an int8 cache (``NATIVE_ALL``: the torch groups
+    read float caches). ``lib``: a library ``kernels.cpu.native`` built (default: its own)."""
+    if kv_dtype is not None and is_quantized(kv_dtype):
+        return NATIVE_ALL
     lib = lib if lib is not None else native.library()
     tiles = lib is not None and dtype == torch.bfloat16 and head_dim % 32 == 0
     if tiles and lib.chatsvc_attention_uses_tiles():
@@ -113,6 +128,7 @@ def choose_kernels(
     head_dim: int | None = None,
     backend: str | None = None,
     invariant: bool = True,
+    kv_dtype: torch.dtype | None = None,
 ) -> KernelChoice:
     """The kernels that run on tensors of this device and dtype: those of a step
     (``kernels.step.bind.bind_step``) and of every public per-op function in ``kernels``.
@@ -121,13 +137,23 @@ def choose_kernels(
     The native backend with tensors its C kernels do not take (fp16, say) runs the torch
     kernels. ``invariant``: kernels whose results for a token do not depend on the rest of
     the step (``kernels.invariance``; on the native backend the C attention then takes
-    every run); False: the fastest for each step's shape."""
+    every run); False: the fastest for each step's shape.
+
+    ``kv_dtype``: the KV caches' (None: ``dtype``). An int8 cache is read by the native
+    kernels, the torch reference's span tasks and Triton's invariant span kernel; Triton's
+    other kernels read float caches, so an int8 step on the triton backend with
+    ``invariant=False`` raises ``ValueError``."""
     chosen = resolve_backend(backend, device)
-    if chosen == "native" and not native_takes(device, dtype, head_dim):
+    quantized = kv_dtype is not None and is_quantized(kv_dtype)
+    if chosen == "native" and not native_takes(device, dtype, head_dim, kv_dtype):
         chosen = "torch"
+    if quantized and head_dim is not None and chosen == "triton" and not invariant:
+        raise ValueError(
+            "an int8 KV cache is read by Triton's invariant kernels only (invariant=True)"
+        )
     limit = 0
     if chosen == "native" and head_dim is not None:
-        limit = NATIVE_ALL if invariant else native_max_query(dtype, head_dim)
+        limit = NATIVE_ALL if invariant else native_max_query(dtype, head_dim, kv_dtype=kv_dtype)
     return KernelChoice(chosen, limit, invariant)
 
 

@@ -1,7 +1,8 @@
 """Batched block copy: copy-on-write within a pool and swaps between tiers.
 
 A block is one contiguous chunk of ``block_numel`` elements across all layers
-(``kv_layout``), so a copy is ``dst_pool[d] = src_pool[s]`` per pair.
+(``kv_layout``), so a copy is ``dst_pool[d] = src_pool[s]`` per pair; an int8 pool's
+scales lie inside their block, so they move with its rows.
 
 - Same CUDA device (copy-on-write, or two device pools): one Triton launch for
   the whole list, grid ``(num_pairs, ceil(block_numel / CHUNK))``, asynchronous
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from kernels.triton_compat import runnable, tl, triton
-from kernels.validate import FLOAT_DTYPES, INDEX_DTYPES
+from kernels.validate import INDEX_DTYPES, KV_DTYPES
 
 _CHUNK = 4096
 
@@ -69,8 +70,8 @@ def check_copy_blocks(
     for name, pool in (("src_pool", src_pool), ("dst_pool", dst_pool)):
         if pool.dim() < 2:
             raise ValueError(f"{name} must be [num_blocks, ...], got shape {tuple(pool.shape)}")
-        if pool.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype must be one of {FLOAT_DTYPES}, got {pool.dtype}")
+        if pool.dtype not in KV_DTYPES:
+            raise ValueError(f"{name} dtype must be one of {KV_DTYPES}, got {pool.dtype}")
         if not _is_block_contiguous(pool):
             raise ValueError(f"each block of {name} must be one contiguous chunk")
     if src_pool.shape[1:] != dst_pool.shape[1:]:

@@ -19,7 +19,8 @@ with several spans merges them in span order:
     M = max_j lse_j;  w_j = exp(lse_j - M);  out = (sum_j w_j out_j) / (sum_j w_j)
 
 each sum a running sum along the spans, span 0 first, read at the token's own last span.
-All arithmetic is fp32 (bf16 inputs widened, the output rounded once; bf16's own flash
+All arithmetic is fp32 (bf16 inputs widened, int8 rows times their scales as gathered,
+the output rounded once; bf16's own flash
 path was faster for decodes and slower for prefill chunks, docs/kernels.md). The bits of
 a token's output then do not depend on which tasks share a call, on the thread count,
 or on where a task sits in its call: measured (tests/kernels/test_span_attention.py),
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_inputs import AttentionInputs
+from kernels.kv_layout import KVScales
 from kernels.paged_gather import gather_tokens
 from kernels.span_metadata import SpanMetadata, span_metadata, task_rows
 
@@ -51,13 +53,15 @@ def span_metadata_for(inputs: AttentionInputs) -> SpanMetadata:
 
 
 def paged_attention_spans(
-    inputs: AttentionInputs, metadata: SpanMetadata | None = None
+    inputs: AttentionInputs, metadata: SpanMetadata | None = None, scales: KVScales | None = None
 ) -> torch.Tensor:
     """Invariant attention of checked inputs that have their start tensor; ``metadata``
-    (built here when None) lets a step's layers share one plan."""
+    (built here when None) lets a step's layers share one plan; ``scales``: an int8
+    cache's (``kernels.kv_layout``)."""
     if metadata is None:
         metadata = span_metadata_for(inputs)
-    return attend_spans(inputs.query, inputs.k_cache, inputs.v_cache, metadata, inputs.scale)
+    query, k_cache, v_cache = inputs.query, inputs.k_cache, inputs.v_cache
+    return attend_spans(query, k_cache, v_cache, metadata, inputs.scale, scales)
 
 
 def attend_spans(
@@ -66,8 +70,10 @@ def attend_spans(
     v_cache: torch.Tensor,
     metadata: SpanMetadata,
     scale: float,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
-    """``[T, H_q, D]`` attention of ``query`` over one layer's caches, by ``metadata``'s plan."""
+    """``[T, H_q, D]`` attention of ``query`` over one layer's caches, by ``metadata``'s plan.
+    An int8 cache's rows are dequantized as they are gathered (``scales``: theirs)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
@@ -80,8 +86,9 @@ def attend_spans(
         num_tokens + 1, num_kv_heads, group, head_dim, dtype=torch.float32, device=query.device
     )
     q[:num_tokens] = query.view(num_tokens, num_kv_heads, group, head_dim)
-    keys = _span_keys(k_cache, metadata)  # [groups, H_kv, S, D]
-    values = _span_keys(v_cache, metadata)
+    k_scale, v_scale = (None, None) if scales is None else scales
+    keys = _span_keys(k_cache, metadata, k_scale)  # [groups, H_kv, S, D]
+    values = _span_keys(v_cache, metadata, v_scale)
     rows = task_rows(group, metadata.slots_per_task)
     slot_rows = metadata.slots_per_task * group
     states, lses = [], []
@@ -143,11 +150,15 @@ def tasks_in_plain_ops(
     return out, (top + torch.log(total)).squeeze(-1)
 
 
-def _span_keys(cache: torch.Tensor, metadata: SpanMetadata) -> torch.Tensor:
+def _span_keys(
+    cache: torch.Tensor, metadata: SpanMetadata, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Every group's S keys of one layer, fp32 ``[groups, H_kv, S, D]`` (a strided view of a
     fresh copy), zero past the context: masked keys enter no sum, and garbage there may be
-    NaN."""
+    NaN. An int8 cache's rows times their ``scale`` (exact in fp32: q * s needs 15 bits)."""
     gathered = gather_tokens(cache, metadata.block_ids).float()  # [groups, S, H_kv, D]
+    if scale is not None:
+        gathered *= gather_tokens(scale.unsqueeze(-1), metadata.block_ids).float()
     if metadata.keys_outside.numel():
         flat = gathered.view(-1, gathered.shape[2] * gathered.shape[3])
         flat.index_fill_(0, metadata.keys_outside, 0.0)

@@ -42,6 +42,7 @@ import torch
 
 from kernels import invariance
 from kernels.attention_inputs import AttentionInputs
+from kernels.kv_layout import KVScales
 from kernels.span_merge import merge_spans
 from kernels.triton_compat import dot_dtype, runnable, tl, triton
 from kernels.validate import check_shared_strides
@@ -74,6 +75,8 @@ def paged_span_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
@@ -89,7 +92,11 @@ def paged_span_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     stride_bt,
+    QUANTIZED: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -138,16 +145,25 @@ def paged_span_kernel(
         offset = (pos & ((1 << LOG2_BLOCK) - 1)).to(tl.int64)
         kv_offsets = (block * stride_cb + offset * stride_cs + kv_head * stride_ch)[:, None]
         kv_offsets = kv_offsets + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=pos_mask[:, None], other=0)
 
+        # int8 rows (exact in bf16) times their scales: a key's on its score, a value's
+        # folded into its weight; l sums the weights before the values' scales.
         scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
+        if QUANTIZED:
+            at = block * stride_sb + offset * stride_ss + kv_head * stride_sh
+            k_scale = tl.load(k_scale_ptr + at, mask=pos_mask, other=0.0).to(tl.float32)
+            scores = scores * k_scale[None, :]
         visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANTIZED:
+            v_scale = tl.load(v_scale_ptr + at, mask=pos_mask, other=0.0).to(tl.float32)
+            p = p * v_scale[None, :]
         pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -168,7 +184,10 @@ def paged_span_kernel(
 
 
 def paged_attention_spans_triton(
-    inputs: AttentionInputs, max_query_len: int | None = None, span: int | None = None
+    inputs: AttentionInputs,
+    max_query_len: int | None = None,
+    span: int | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Launch ``paged_span_kernel`` and, for rows with several spans, the merge (inputs
     checked, with their start tensor: a decode's is ``0, 1, ..., B``).
@@ -176,7 +195,8 @@ def paged_attention_spans_triton(
     ``max_query_len`` sizes the grid (None: read from ``query_start_loc``, a host sync on
     CUDA); ``span`` keys per span (None: ``kernels.invariance.SPAN_TOKENS``, read at call
     time), a multiple of the program's BLOCK_N. The span count comes from the table
-    width, so the context lengths are never read on the host.
+    width, so the context lengths are never read on the host. ``scales``: an int8
+    cache's (``kernels.kv_layout``).
     """
     query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale = inputs
     num_tokens, num_q_heads, head_dim = query.shape
@@ -208,10 +228,17 @@ def paged_attention_spans_triton(
     query_start_loc = query_start_loc.contiguous()
     context_lens = context_lens.contiguous()
     grid = (batch, triton.cdiv(max_query_len * group, tiles.block_m), max_spans * num_kv_heads)
+    if scales is not None:
+        check_shared_strides(*scales)
+    # A float cache's kernel never reads its scale pointers (QUANTIZED is a constant).
+    k_scale, v_scale = (k_cache, v_cache) if scales is None else scales
+    scale_strides = (0, 0, 0) if scales is None else scales.k.stride()
     runnable(paged_span_kernel, query.device)[grid](
         query,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         out,
         part_acc,
         part_ml,
@@ -227,7 +254,9 @@ def paged_attention_spans_triton(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
+        QUANTIZED=scales is not None,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,

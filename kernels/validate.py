@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_layout import QUANT_DTYPE, SCALE_DTYPE, KVScales, is_quantized
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A KV cache holds values in a float dtype, or int8 rows with scales (kernels/kv_layout.py).
+KV_DTYPES = (*FLOAT_DTYPES, QUANT_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -33,8 +37,8 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, 
         )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
-    if k_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"KV cache dtype must be one of {FLOAT_DTYPES}, got {k_cache.dtype}")
+    if k_cache.dtype not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype must be one of {KV_DTYPES}, got {k_cache.dtype}")
     if k_cache.device != v_cache.device:
         raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -43,6 +47,26 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, 
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the head_dim axis of the KV caches must be contiguous (stride 1)")
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_kv_scales(k_cache: torch.Tensor, scales: KVScales | None) -> None:
+    """An int8 cache needs its row scales (``[N, block_size, H_kv]`` bf16 beside it, K's
+    and V's sharing strides: views of one pool); a float cache takes none."""
+    if not is_quantized(k_cache.dtype):
+        if scales is not None:
+            raise ValueError(f"a {k_cache.dtype} KV cache takes no scales")
+        return
+    if scales is None:
+        raise ValueError("an int8 KV cache needs its scales (kernels.kv_layout.scale_views)")
+    for name, scale in zip(("k_scale", "v_scale"), scales, strict=True):
+        if scale.shape != k_cache.shape[:3] or scale.dtype != SCALE_DTYPE:
+            raise ValueError(
+                f"{name} must be {tuple(k_cache.shape[:3])} {SCALE_DTYPE}, "
+                f"got {tuple(scale.shape)} {scale.dtype}"
+            )
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} on {scale.device} but the KV cache on {k_cache.device}")
+    check_shared_strides(*scales)
 
 
 def check_shared_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -55,8 +79,10 @@ def check_query(query: torch.Tensor, k_cache: torch.Tensor, name: str = "query")
     """Check a ``[N, H_q, D]`` query against the caches; return the GQA group size."""
     if query.dim() != 3:
         raise ValueError(f"{name} must be 3-D [N, H_q, D], got shape {tuple(query.shape)}")
-    if query.dtype != k_cache.dtype:
+    if query.dtype != k_cache.dtype and not is_quantized(k_cache.dtype):
         raise ValueError(f"{name} dtype {query.dtype} != KV cache dtype {k_cache.dtype}")
+    if query.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} dtype must be one of {FLOAT_DTYPES}, got {query.dtype}")
     if query.device != k_cache.device:
         raise ValueError(f"{name} on {query.device} but the KV cache on {k_cache.device}")
     num_q_heads, head_dim = query.shape[1], query.shape[2]

@@ -50,9 +50,14 @@ from bench.kv_disk.common import (
 )
 
 
-async def one_run(args, num_blocks: int, disk_dir: str | None, write: str = "through") -> dict:
+async def one_run(
+    args, num_blocks: int | None, disk_dir: str | None, write: str = "through", **config
+) -> dict:
+    """One run of the conversations; ``num_blocks`` None: the pool sized by ``config``'s
+    ``kv_cache_bytes`` (bench/kv_capacity.py)."""
     overrides = {"num_gpu_blocks": num_blocks, "num_host_blocks": 0, "kv_disk_write": write}
     overrides.update({"kv_disk_dir": disk_dir} if disk_dir else {"kv_disk_bytes": 0})
+    overrides.update(config)
     engine = await started(engine_config(args, **overrides))
     convs = new_conversations(engine, args.sessions, args.system_repeat)
     tracker = IdealTracker(16)
@@ -74,7 +79,7 @@ async def one_run(args, num_blocks: int, disk_dir: str | None, write: str = "thr
     stats = engine.cache_stats()
     await engine.stop()
     rows = [r for c in convs for r in c.rows]
-    return {"rows": rows, "stats": stats, "blocks": num_blocks}
+    return {"rows": rows, "stats": stats, "blocks": stats["device"]["total"]}
 
 
 def report(name: str, run: dict, turns: int) -> None:

@@ -58,6 +58,7 @@ from chatsvc.protocol import (
     Tokenizer,
 )
 from kernels.cpu import native
+from kernels.kv_layout import dtype_name
 
 log = logging.getLogger(__name__)
 # How long an idle engine thread waits on the disk tier before it looks for commands.
@@ -452,6 +453,7 @@ def _describe(engine: LLMEngine) -> EngineInfo:
         num_host_blocks=engine.num_host_blocks,
         block_size=engine.config.block_size,
         max_context_len=engine.max_context_len,
+        kv_dtype=dtype_name(engine.kv_dtype),
     )
 
 

@@ -14,10 +14,14 @@ from dataclasses import dataclass, fields
 # kernels.linear.WEIGHT_DTYPES, named here too so settings are checked without torch
 # (tests/engine/test_model_linear.py holds them equal).
 WEIGHT_DTYPES = ("auto", "bf16", "int8", "fp32")
+# kernels.kv_layout.KV_DTYPES, likewise (tests/engine/test_engine_config.py).
+KV_DTYPES = ("auto", "int8")
 
 ENV_PREFIX = "CHATSVC_"
-# The default pool: as many blocks as this many bytes hold in bf16, in every dtype, so
-# a CPU without native bf16 (fp32, twice the bytes a block) caches as many sessions.
+# The default pool: as many blocks as this many bytes hold in bf16, in every float dtype,
+# so a CPU without native bf16 (fp32, twice the bytes a block) caches as many sessions;
+# with int8 KV, as many as these bytes hold in int8 (the point of int8: ~1.9x the sessions
+# in the same memory).
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_KV_DISK_PRELOAD_BYTES = 512 << 20
 
@@ -61,9 +65,13 @@ class EngineConfig:
     """What to serve and how much memory and batch room to give it.
 
     KV pool size: ``num_gpu_blocks`` when set, else ``kv_cache_bytes`` divided by the
-    bytes of one block (all layers, K and V); ``kv_cache_bytes`` None: the blocks
-    ``DEFAULT_KV_CACHE_BYTES`` holds in bf16, whatever the dtype. ``num_host_blocks`` sizes the host
-    tier that evicted prefix blocks move to (``host_blocks_for``). ``max_model_len``
+    bytes of one block (all layers, K and V, in ``kv_dtype``); ``kv_cache_bytes`` None: the
+    blocks ``DEFAULT_KV_CACHE_BYTES`` holds in bf16, whatever the float dtype, or in int8
+    with int8 KV. ``kv_dtype``: "auto" (the model's dtype) or "int8" (rows with a scale per
+    token and KV head, ``kernels.kv_layout``; read by every backend, Triton through its
+    invariant kernel only).
+    ``num_host_blocks`` sizes the host tier that evicted prefix blocks move to
+    (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
     checker after every mutation (slow; for tests). ``data_dir``: where the converted default
     model and the compiled kernels are cached (the service's data directory; None:
@@ -85,6 +93,8 @@ class EngineConfig:
     # answer is the same whatever the cache held and whatever was batched beside it
     # (kernels/invariance.py); False: the fastest kernels for each step's shape.
     invariant: bool = True
+    # What the KV cache stores (KV_DTYPES): "auto" = the model's dtype, "int8".
+    kv_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -165,6 +175,8 @@ class EngineConfig:
             )
         if self.kv_disk_load_threads < 1:
             raise ValueError(f"kv_disk_load_threads must be >= 1, got {self.kv_disk_load_threads}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
@@ -179,13 +191,13 @@ class EngineConfig:
             raise ValueError(f"warm_up_s must be 0..3600 seconds, got {self.warm_up_s}")
         return self
 
-    def num_blocks_for(self, block_bytes: int, bf16_block_bytes: int) -> int:
+    def num_blocks_for(self, block_bytes: int, default_block_bytes: int) -> int:
         """Device blocks of the KV pool, given one block's size in bytes in the pool's
-        dtype and in bf16 (the default's unit)."""
+        dtype and in the default's unit (bf16 for float KV, int8 for int8 KV)."""
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
         if self.kv_cache_bytes is None:
-            return max(1, DEFAULT_KV_CACHE_BYTES // bf16_block_bytes)
+            return max(1, DEFAULT_KV_CACHE_BYTES // default_block_bytes)
         num_blocks = self.kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(

@@ -74,8 +74,9 @@ from chatsvc.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from kernels.backend import resolve_backend
+from kernels.backend import choose_kernels, resolve_backend
 from kernels.cpu import native
+from kernels.kv_layout import dtype_name, is_quantized, kv_dtype_for
 
 log = logging.getLogger(__name__)
 # A step that computed nothing while loads are in flight sleeps on them this long at
@@ -142,8 +143,14 @@ class LLMEngine:
         limit = config.max_model_len or loaded.config.max_context_len
         self.max_context_len = min(limit, self.model.max_positions)
         shape = self.model.kv_shape(config.block_size)
+        # What the pool stores: the model's dtype, or int8 rows with scales (kv_layout).
+        self.kv_dtype = kv_dtype_for(config.kv_dtype, self.model.dtype)
+        if is_quantized(self.kv_dtype):  # refused now where no attention kernel reads it
+            device, dtype, invariant = self.model.device, self.model.dtype, config.invariant
+            choose_kernels(device, dtype, shape.head_dim, None, invariant, self.kv_dtype)
+        unit = self.kv_dtype if is_quantized(self.kv_dtype) else torch.bfloat16
         self.num_gpu_blocks = config.num_blocks_for(
-            shape.block_bytes(self.model.dtype), shape.block_bytes(torch.bfloat16)
+            shape.block_bytes(self.kv_dtype), shape.block_bytes(unit)
         )
         self.num_host_blocks = config.host_blocks_for(self.num_gpu_blocks)
         self.cache = KVCacheManager(
@@ -161,7 +168,7 @@ class LLMEngine:
             )
             self.scheduler.speculator = self.speculator
         self.runner = ModelRunner(
-            self.model, config.block_size, self.num_gpu_blocks, self.num_host_blocks
+            self.model, config.block_size, self.num_gpu_blocks, self.num_host_blocks, self.kv_dtype
         )
         self.default_stop_ids = frozenset(self.chat_format.stop_token_ids) | frozenset(
             loaded.config.eos_token_ids
@@ -751,8 +758,9 @@ class LLMEngine:
         snapshot = self.cache.stats_snapshot()
         snapshot["num_preemptions"] = self.scheduler.num_preemptions
         snapshot["block_size"] = self.config.block_size
+        snapshot["kv_dtype"] = dtype_name(self.kv_dtype)
         snapshot["block_bytes"] = self.model.kv_shape(self.config.block_size).block_bytes(
-            self.model.dtype
+            self.kv_dtype
         )
         if self.disk_tier is not None:
             snapshot["disk"].update(self.disk_tier.stats_snapshot())

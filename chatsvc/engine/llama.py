@@ -25,7 +25,7 @@ from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.layers import RotaryTables
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
-from kernels.kv_layout import KVShape
+from kernels.kv_layout import QUANT_DTYPE, KVShape, scale_layers_for
 from kernels.linear import LINEARS, choose_layout, exact_in_bf16
 from kernels.step.bind import StepDims, bind_step
 
@@ -79,7 +79,7 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.check_bounds = check_bounds
         self.invariant = invariant
-        self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps)
+        self.step_dims = StepDims(config.num_heads, self.scale, config.rms_norm_eps, self.dtype)
         self.weight_layout = choose_layout(
             prepack_weights,
             self.device,
@@ -102,23 +102,24 @@ class LlamaModel:
             self._lm_head = pack(weights.lm_head)
 
     def kv_shape(self, block_size: int) -> KVShape:
-        """The KV pool shape this model needs for a given block size."""
+        """The KV pool shape this model needs for a given block size (a pool of it holds
+        K/V in the model's dtype or int8: ``kernels.kv_layout``)."""
         c = self.config
         return KVShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim)
 
     def _check(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> None:
         c = self.config
-        expected = (c.num_layers, 2)
-        if kv_pool.dim() != 6 or tuple(kv_pool.shape[1:3]) != expected:
-            raise ValueError(f"kv_pool must be [N, {c.num_layers}, 2, bs, H_kv, D]")
+        if kv_pool.dtype not in (self.dtype, QUANT_DTYPE) or kv_pool.device != self.device:
+            raise ValueError(
+                f"kv_pool is {kv_pool.dtype} on {kv_pool.device}; "
+                f"the model is {self.dtype} on {self.device} (KV in that dtype or int8)"
+            )
+        layers = c.num_layers + scale_layers_for(c.num_layers, c.head_dim, kv_pool.dtype)
+        if kv_pool.dim() != 6 or tuple(kv_pool.shape[1:3]) != (layers, 2):
+            raise ValueError(f"kv_pool must be [N, {layers}, 2, bs, H_kv, D]")
         if tuple(kv_pool.shape[4:]) != (c.num_kv_heads, c.head_dim):
             raise ValueError(
                 f"kv_pool heads/dim {tuple(kv_pool.shape[4:])} != ({c.num_kv_heads}, {c.head_dim})"
-            )
-        if kv_pool.dtype != self.dtype or kv_pool.device != self.device:
-            raise ValueError(
-                f"kv_pool is {kv_pool.dtype} on {kv_pool.device}; "
-                f"the model is {self.dtype} on {self.device}"
             )
         self._check_bounds(batch, kv_pool.shape[0], kv_pool.shape[3])
         if batch.max_context_len > self.max_positions:

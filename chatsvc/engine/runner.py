@@ -35,14 +35,22 @@ class ModelRunner:
     """Owns the device KV pool (and the host pool when there is a host tier)."""
 
     def __init__(
-        self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_host_blocks: int = 0
+        self,
+        model: LlamaModel,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_host_blocks: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: what the pools store (None: the model's dtype; int8: rows with
+        scales, ``kernels.kv_layout``). Both tiers hold the same, so a swap is a block copy."""
         self.model = model
         self.block_size = block_size
         shape = model.kv_shape(block_size)
-        self.kv_pool = new_kv_pool(num_gpu_blocks, shape, model.dtype, model.device)
+        kv_dtype = kv_dtype or model.dtype
+        self.kv_pool = new_kv_pool(num_gpu_blocks, shape, kv_dtype, model.device)
         self.host_pool = (
-            new_kv_pool(num_host_blocks, shape, model.dtype, "cpu", pin_memory=True)
+            new_kv_pool(num_host_blocks, shape, kv_dtype, "cpu", pin_memory=True)
             if num_host_blocks
             else None
         )

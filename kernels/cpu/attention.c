@@ -10,7 +10,9 @@
  *   rows      = the tile's tokens x all query heads
  *   for each 16-token key tile of the slice, up to the tile's last position, and
  *   each KV head:
- *       scores = rows of the head's GROUP . K[keys, head]^T   (read in place, bf16 -> fp32)
+ *       scores = rows of the head's GROUP . K[keys, head]^T   (read in place, bf16 or
+ *                                                              int8 -> fp32; an int8
+ *                                                              key's scale times its score)
  *       online softmax per row (exp2, scale folded into Q), causal per row
  *       acc    = acc * alpha + P . V[keys, head]
  *   out = acc / l   (or, for a tile whose keys are cut in pieces, partial (m, l, acc)
@@ -62,13 +64,18 @@
  * costs more than the idle thread would). */
 enum { MIN_SLICE_BLOCKS = 16 };
 
-/* The path of one item. Bf16 items with a head size the dot pairs take go to the
- * tile unit where the thread set it up (`amx`) and each KV head has enough rows to
- * fill a tile, else to the dot pairs; the rest to the widening loops. */
+/* The path of one item. Bf16 items (bf16 caches) with a head size the dot pairs take go
+ * to the tile unit where the thread set it up (`amx`) and each KV head has enough rows
+ * to fill a tile, else to the dot pairs; bf16 queries over int8 caches to the dot pairs
+ * (the tile unit reads bf16 caches only); the rest to the widening loops. */
 static void attend_item(const Args *a, const Item *it, float *scratch, float *partials,
                         float *amx, int head_dim) {
 #if defined(__AVX512BF16__)
-    if (a->dtype == DTYPE_BF16 && head_dim % 32 == 0) {
+    if (a->dtype == DTYPE_BF16 && a->kv_dtype == DTYPE_INT8 && head_dim % 32 == 0) {
+        attend_dot_pairs(a, it, scratch, partials, head_dim);
+        return;
+    }
+    if (a->dtype == DTYPE_BF16 && a->kv_dtype == DTYPE_BF16 && head_dim % 32 == 0) {
 #if defined(CHATSVC_AMX)
         const int nrows = (it->q_end - it->q_begin) * (a->num_q_heads / a->num_kv_heads);
         if (amx && nrows >= AMX_MIN_ROWS && nrows <= AMX_ROWS) {
@@ -86,18 +93,21 @@ static void attend_item(const Args *a, const Item *it, float *scratch, float *pa
 
 /* Attention of the new tokens of sequences `seqs[0..num_seqs)` (indices into the
  * batch); rows of other sequences in `out` are left untouched. Strides are in
- * elements; K and V share theirs. Returns 0, or -1 when scratch memory runs out
- * (nothing is then written). */
+ * elements; K and V share theirs, and so do their scales (an int8 cache: `kv_dtype`
+ * DTYPE_INT8; NULL otherwise). Returns 0, or -1 when scratch memory runs out (nothing
+ * is then written). */
 int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
                             const void *k, const void *v, int64_t kv_stride_block,
-                            int64_t kv_stride_slot, int64_t kv_stride_head, void *out,
-                            int64_t out_stride_t, int64_t out_stride_h,
-                            const int32_t *block_tables, int64_t table_stride,
-                            const int32_t *query_start, const int32_t *context_lens,
-                            const int32_t *seqs, int32_t num_seqs, int32_t num_q_heads,
-                            int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                            int32_t q_tile, int32_t span, float scale_log2, int32_t dtype,
-                            int32_t num_threads) {
+                            int64_t kv_stride_slot, int64_t kv_stride_head,
+                            const uint16_t *k_scale, const uint16_t *v_scale,
+                            int64_t scale_stride_block, int64_t scale_stride_slot,
+                            int64_t scale_stride_head, void *out, int64_t out_stride_t,
+                            int64_t out_stride_h, const int32_t *block_tables,
+                            int64_t table_stride, const int32_t *query_start,
+                            const int32_t *context_lens, const int32_t *seqs, int32_t num_seqs,
+                            int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                            int32_t block_size, int32_t q_tile, int32_t span, float scale_log2,
+                            int32_t dtype, int32_t kv_dtype, int32_t num_threads) {
     if (num_seqs <= 0) return 0;
     int amx_on = 0;
     int32_t num_groups = 0;
@@ -113,8 +123,8 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     for (int32_t s = 0; s < num_seqs; s++) group[s] = -1;
 #if defined(CHATSVC_AMX)
     const int32_t G = num_q_heads / num_kv_heads;
-    if (span == 0 && dtype == DTYPE_BF16 && head_dim % 32 == 0 && AMX_ROWS / G >= 1 &&
-        amx_usable()) {
+    if (span == 0 && dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16 && head_dim % 32 == 0 &&
+        AMX_ROWS / G >= 1 && amx_usable()) {
         /* A tile holds 16 rows per KV head: the tile's new tokens x G. Threads set up
          * tiles only for a call that has a run long enough, or a shared prefix, to use
          * them (a lone decode's 3 rows would waste the setup). */
@@ -132,10 +142,33 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     }
 #endif
     free(scratch_ids);
-    const Args a = {q, q_stride_t, q_stride_h, k, v, kv_stride_block, kv_stride_slot,
-                    kv_stride_head, out, out_stride_t, out_stride_h, block_tables, table_stride,
-                    query_start, context_lens, num_q_heads, num_kv_heads, block_size, q_tile,
-                    dtype, scale_log2};
+    const Args a = {.q = q,
+                    .q_stride_t = q_stride_t,
+                    .q_stride_h = q_stride_h,
+                    .k = k,
+                    .v = v,
+                    .kv_stride_block = kv_stride_block,
+                    .kv_stride_slot = kv_stride_slot,
+                    .kv_stride_head = kv_stride_head,
+                    .k_scale = k_scale,
+                    .v_scale = v_scale,
+                    .scale_stride_block = scale_stride_block,
+                    .scale_stride_slot = scale_stride_slot,
+                    .scale_stride_head = scale_stride_head,
+                    .out = out,
+                    .out_stride_t = out_stride_t,
+                    .out_stride_h = out_stride_h,
+                    .block_tables = block_tables,
+                    .table_stride = table_stride,
+                    .query_start = query_start,
+                    .context_lens = context_lens,
+                    .num_q_heads = num_q_heads,
+                    .num_kv_heads = num_kv_heads,
+                    .block_size = block_size,
+                    .q_tile = q_tile,
+                    .dtype = dtype,
+                    .kv_dtype = kv_dtype,
+                    .scale_log2 = scale_log2};
     int64_t num_tiles = 0, num_tokens = 0, num_spans = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
         const int32_t b = seqs[s];

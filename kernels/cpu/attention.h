@@ -6,6 +6,10 @@
  *   attention_portable.c  the widening loops in portable C (builds without AVX-512 or AVX2)
  *   attention_avx2.c      the widening loops on AVX2 + FMA (K and V widened to fp32)
  *   attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
+ *
+ * int8 caches take the widening loops on every CPU: K and V rows widened from int8,
+ * each key's scale applied to its score (one multiply per score) and each value's
+ * scale folded into its weight (p_t * s_t; the softmax sum l keeps the unscaled p).
  *   attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
  *   attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)
  *   attention_walk.h      the walk of a work item over its keys, written once for the paths
@@ -40,12 +44,18 @@ typedef struct {
     int64_t q_stride_t, q_stride_h;
     const void *k, *v;
     int64_t kv_stride_block, kv_stride_slot, kv_stride_head;
+    /* int8 caches (kv_dtype DTYPE_INT8, kernels/kv_layout.py): each (token, head) row's
+     * scale, bf16; NULL for float caches. */
+    const uint16_t *k_scale, *v_scale;
+    int64_t scale_stride_block, scale_stride_slot, scale_stride_head;
     void *out;
     int64_t out_stride_t, out_stride_h;
     const int32_t *block_tables;
     int64_t table_stride;
     const int32_t *query_start, *context_lens;
-    int32_t num_q_heads, num_kv_heads, block_size, q_tile, dtype;
+    int32_t num_q_heads, num_kv_heads, block_size, q_tile;
+    int32_t dtype;    /* the query's and the output's */
+    int32_t kv_dtype; /* the caches': dtype, or DTYPE_INT8 */
     float scale_log2;
 } Args;
 
@@ -85,14 +95,25 @@ enum { TILE = 16 };
 enum { AMX_ROWS = 16, AMX_MIN_ROWS = 6 };
 
 /* Row `offset` (elements) of a cache or query tensor as fp32: in place for fp32,
- * widened into `scratch` for bf16. */
+ * widened into `scratch` for bf16 and int8 (an int8 row without its scale). */
 static inline const float *row_f32(const void *base, int64_t offset, int n, int dtype,
                                    float *scratch) {
     if (dtype == DTYPE_F32) return (const float *)base + offset;
+    if (dtype == DTYPE_INT8) {
+        const int8_t *src = (const int8_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) scratch[i] = (float)src[i];
+        return scratch;
+    }
     const uint16_t *src = (const uint16_t *)base + offset;
 #pragma omp simd
     for (int i = 0; i < n; i++) scratch[i] = bf16_to_f32(src[i]);
     return scratch;
+}
+
+/* Bytes of one element of a cache of `kv_dtype`. */
+static inline int kv_item_size(int kv_dtype) {
+    return kv_dtype == DTYPE_F32 ? 4 : kv_dtype == DTYPE_INT8 ? 1 : 2;
 }
 
 /* Online-softmax update of one query row with one key tile: scores s[0..seen)
@@ -107,7 +128,7 @@ static inline void update_row(float s_top, float *restrict m, float *restrict l,
 
 /* Scratch of one thread, in floats, for items of up to `rows` rows: see `ItemState`. */
 static inline int64_t scratch_floats(int64_t rows, int64_t head_dim) {
-    return 2 * rows * head_dim + 2 * rows + 2 * TILE * head_dim;
+    return 2 * rows * head_dim + 2 * rows + 2 * TILE * head_dim + 4 * TILE;
 }
 
 #if defined(__AVX512F__)
@@ -172,6 +193,16 @@ static inline __m512i load_bf16x32(const void *base, int64_t offset) {
     return _mm512_loadu_si512((const uint16_t *)base + offset);
 }
 
+/* 32 elements of a cache at `offset` as bf16: as stored, or an int8 cache's widened
+ * (exact: |q| <= 127 needs 7 bits; the scales are applied to scores and weights). */
+static inline __m512i load_kv32(const void *base, int64_t offset, int kv_dtype) {
+    if (kv_dtype != DTYPE_INT8) return load_bf16x32(base, offset);
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)((const int8_t *)base + offset));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
 /* Dims of acc slot p (see above). */
 static inline int acc_dim(int p) {
     const int lane = p % 16;
@@ -188,6 +219,7 @@ static inline void unpermute_row(const float *acc, float *row, const int D) {
  * stalling in one burst. */
 static inline void load_k_pairs(const Args *a, const int64_t *offsets, const int64_t *ahead,
                                 int n, const int D, float *restrict kt) {
+    const int size = kv_item_size(a->kv_dtype);
     for (int half = 0; half < 2; half++) {
         const int64_t *off = offsets + half * TILE, *next = ahead + half * TILE;
         const int live = n - half * TILE;
@@ -199,10 +231,11 @@ static inline void load_k_pairs(const Args *a, const int64_t *offsets, const int
             __m512 r[TILE];
             for (int t = 0; t < TILE; t++) {
                 if (next[t] >= 0) {
-                    _mm_prefetch((const char *)((const uint16_t *)a->k + next[t] + c), _MM_HINT_T0);
-                    _mm_prefetch((const char *)((const uint16_t *)a->v + next[t] + c), _MM_HINT_T0);
+                    const int64_t at = (next[t] + c) * size;
+                    _mm_prefetch((const char *)a->k + at, _MM_HINT_T0);
+                    _mm_prefetch((const char *)a->v + at, _MM_HINT_T0);
                 }
-                r[t] = t < live ? _mm512_castsi512_ps(load_bf16x32(a->k, off[t] + c))
+                r[t] = t < live ? _mm512_castsi512_ps(load_kv32(a->k, off[t] + c, a->kv_dtype))
                                 : _mm512_setzero_ps();
             }
             transpose16(r);
@@ -220,8 +253,8 @@ static inline void load_v_pairs(const Args *a, const int64_t *offsets, int n, in
     for (int k = 0; k < pairs; k++) {
         const int t = 2 * k;
         for (int c = 0; c < D; c += 32) {
-            const __m512i x = t < n ? load_bf16x32(a->v, offsets[t] + c) : zero;
-            const __m512i y = t + 1 < n ? load_bf16x32(a->v, offsets[t + 1] + c) : zero;
+            const __m512i x = t < n ? load_kv32(a->v, offsets[t] + c, a->kv_dtype) : zero;
+            const __m512i y = t + 1 < n ? load_kv32(a->v, offsets[t + 1] + c, a->kv_dtype) : zero;
             float *dst = vv + ((int64_t)k * (D / 16) + c / 16) * 16;
             _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
             _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(x, y));
@@ -231,9 +264,14 @@ static inline void load_v_pairs(const Args *a, const int64_t *offsets, int n, in
 
 /* Online-softmax update of one row with the scores of up to 32 keys (raw dot products
  * of keys 0-15 and 16-31; the first `seen` count): returns the weights as 32 bf16
- * (key order), updates m and l with their rounded sum, and sets alpha. */
-static inline __m512i softmax_step32(__m512 raw0, __m512 raw1, int seen, float scale_log2,
-                                     float *m, float *l, float *alpha) {
+ * (key order), updates m and l with their rounded sum, and sets alpha. `vs`: an int8
+ * cache's value scales of the 32 keys (NULL: none), folded into the weights returned
+ * after l has summed the weights themselves. */
+static inline __attribute__((always_inline)) __m512i softmax_step32(__m512 raw0, __m512 raw1,
+                                                                    int seen, float scale_log2,
+                                                                    float *m, float *l,
+                                                                    float *alpha,
+                                                                    const float *vs) {
     const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
     const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
     const __m512 scale = _mm512_set1_ps(scale_log2), minus_inf = _mm512_set1_ps(-INFINITY);
@@ -251,7 +289,9 @@ static inline __m512i softmax_step32(__m512 raw0, __m512 raw1, int seen, float s
     const __m512 hi = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
     update_row(top, m, l, _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)), alpha);
-    return p;
+    if (!vs) return p;
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(p1, _mm512_load_ps(vs + 16)),
+                                        _mm512_mul_ps(p0, _mm512_load_ps(vs)));
 }
 #endif
 

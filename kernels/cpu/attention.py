@@ -27,6 +27,7 @@ from kernels.backend import NATIVE_ALL, native_max_query, native_takes
 from kernels.cpu import native
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, metadata_for
+from kernels.kv_layout import KVScales
 from kernels.validate import check_shared_strides
 
 # The kernel's query tile on its vector loops (the tile path takes 16 // G tokens).
@@ -39,6 +40,7 @@ def paged_attention_native(
     out: torch.Tensor,
     lib: ctypes.CDLL | None = None,
     span: int | None = None,
+    scales: KVScales | None = None,
 ) -> None:
     """Write the attention of sequences ``seqs`` (int32 batch indices) into ``out``.
 
@@ -46,12 +48,12 @@ def paged_attention_native(
     there); other sequences' rows of ``out`` are left as they are. ``lib``: a library
     built by ``kernels.cpu.native`` (default: ``native.library()``). ``span``: keys per
     fixed span (None: ``kernels.invariance.SPAN_TOKENS``, invariant); 0 cuts them by the
-    load instead.
+    load instead. ``scales``: an int8 cache's row scales (checked by the caller).
     """
     if lib is None:
         lib = native.require()
     query, k_cache, v_cache = inputs.query, inputs.k_cache, inputs.v_cache
-    if not native_takes(query.device, query.dtype, query.shape[-1]):
+    if not native_takes(query.device, query.dtype, query.shape[-1], k_cache.dtype):
         raise ValueError(
             f"the native kernel takes CPU fp32/bf16 tensors with head_dim a multiple of 16 "
             f"up to 256, got {query.device} {query.dtype} head_dim {query.shape[-1]}"
@@ -66,6 +68,7 @@ def paged_attention_native(
         query,
         (k_cache.data_ptr(), v_cache.data_ptr()),
         k_cache.stride()[:3],
+        cache_scales(scales),
         k_cache.shape[1],
         k_cache.shape[2],
         inputs.block_tables.to(torch.int32).contiguous(),
@@ -75,7 +78,22 @@ def paged_attention_native(
         inputs.scale,
         out,
         invariance.SPAN_TOKENS if span is None else span,
+        native.KV_DTYPE_CODES[k_cache.dtype],
     )
+
+
+# What the C call takes for a float cache's scales: none.
+NO_SCALES = (None, None, 0, 0, 0)
+
+
+def cache_scales(scales: KVScales | None) -> tuple[int | None, int | None, int, int, int]:
+    """An int8 cache's scale views as the C call takes them: addresses (K, V) and their
+    shared (block, slot, head) strides; ``NO_SCALES`` for a float cache."""
+    if scales is None:
+        return NO_SCALES
+    k_scale, v_scale = scales
+    check_shared_strides(k_scale, v_scale)
+    return (k_scale.data_ptr(), v_scale.data_ptr(), *k_scale.stride())
 
 
 def launch_attention(
@@ -83,6 +101,7 @@ def launch_attention(
     query: torch.Tensor,
     caches: tuple[int, int],
     cache_strides: tuple[int, int, int],
+    scales: tuple[int | None, int | None, int, int, int],
     block_size: int,
     num_kv_heads: int,
     tables: torch.Tensor,
@@ -92,18 +111,21 @@ def launch_attention(
     scale: float,
     out: torch.Tensor,
     span: int,
+    kv_dtype_code: int,
     q_tile: int = NATIVE_Q_TILE,
 ) -> None:
     """The C call alone: caches by address (K, V) and their shared (block, slot, head)
-    strides in elements; the index tensors int32 and contiguous; ``span`` keys per fixed
-    span (0: slices by load); ``q_tile`` new tokens per work item. ``kernels.step.native_step``
-    calls it with a step's index tensors converted once."""
+    strides in elements, their scales (``cache_scales``) and dtype
+    (``native.KV_DTYPE_CODES``); the index tensors int32 and contiguous; ``span`` keys per
+    fixed span (0: slices by load); ``q_tile`` new tokens per work item.
+    ``kernels.step.native_step`` calls it with a step's index tensors converted once."""
     status = lib.chatsvc_paged_attention(
         query.data_ptr(),
         query.stride(0),
         query.stride(1),
         *caches,
         *cache_strides,
+        *scales,
         out.data_ptr(),
         out.stride(0),
         out.stride(1),
@@ -121,6 +143,7 @@ def launch_attention(
         span,
         scale * math.log2(math.e),
         native.DTYPE_CODES[query.dtype],
+        kv_dtype_code,
         torch.get_num_threads(),
     )
     if status != 0:
@@ -128,21 +151,29 @@ def launch_attention(
 
 
 def paged_extend_attention_native(
-    inputs: AttentionInputs, metadata: ExtendMetadata | None = None, invariant: bool = True
+    inputs: AttentionInputs,
+    metadata: ExtendMetadata | None = None,
+    invariant: bool = True,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Invariant: every run through the C kernel on fixed spans. Otherwise short runs
-    through the C kernel, long ones through the torch groups.
+    through the C kernel, long ones through the torch groups (an int8 cache: every run
+    through the C kernel).
 
     ``metadata`` (built here when None) is ``extend_metadata`` with the native
     routing limit (``kernels.backend``: ``NATIVE_ALL`` when invariant, else
     ``native_max_query``), shared by a step's layers.
     """
     if metadata is None:
-        query = inputs.query
-        limit = NATIVE_ALL if invariant else native_max_query(query.dtype, query.shape[-1])
+        query, kv_dtype = inputs.query, inputs.k_cache.dtype
+        limit = (
+            NATIVE_ALL
+            if invariant
+            else native_max_query(query.dtype, query.shape[-1], kv_dtype=kv_dtype)
+        )
         metadata = metadata_for(inputs, limit)
     out = torch.empty_like(inputs.query)
     span = invariance.SPAN_TOKENS if invariant else 0
-    paged_attention_native(inputs, metadata.native_seqs, out, span=span)
+    paged_attention_native(inputs, metadata.native_seqs, out, span=span, scales=scales)
     attend_groups(inputs.query, inputs.k_cache, inputs.v_cache, metadata, inputs.scale, out)
     return out

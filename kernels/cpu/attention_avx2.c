@@ -1,5 +1,5 @@
 /* The widening loops on AVX2 + FMA (CPUs without AVX-512, as the AMD EPYC): every
- * dtype, K and V widened to fp32 (read in place for fp32). Per 16-key tile and KV
+ * dtype and int8 caches, K and V widened to fp32 (read in place for fp32). Per 16-key tile and KV
  * head, K is transposed in registers (8x8 shuffles), so a query row's 16 scores are D
  * broadcast multiply-adds into two vectors, with no horizontal sums; two rows of a
  * head share each key load, and each row keeps even and odd dims in separate chains.
@@ -18,6 +18,10 @@
 
 static inline __m256 load8_f32(const void *base, int64_t offset, int dtype) {
     if (dtype == DTYPE_F32) return _mm256_loadu_ps((const float *)base + offset);
+    if (dtype == DTYPE_INT8) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + offset));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    }
     const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
@@ -74,7 +78,7 @@ static inline void load_k_transposed(const Args *a, const int64_t *offsets, int 
             __m256 r[8];
             for (int t = 0; t < 8; t++) {
                 const int key = 8 * half + t;
-                r[t] = key < n ? load8_f32(a->k, offsets[key] + c, a->dtype) : _mm256_setzero_ps();
+                r[t] = key < n ? load8_f32(a->k, offsets[key] + c, a->kv_dtype) : _mm256_setzero_ps();
             }
             transpose8(r);
             for (int j = 0; j < 8; j++) _mm256_store_ps(kt + (int64_t)(c + j) * TILE + 8 * half, r[j]);
@@ -141,7 +145,14 @@ static inline __attribute__((always_inline)) void tile_head(
     const float *v_rows[TILE];
     load_k_transposed(a, offsets, n, D, kt);
     for (int t = 0; t < n; t++)
-        v_rows[t] = row_f32(a->v, offsets[t], D, a->dtype, v_tile + (int64_t)t * D);
+        v_rows[t] = row_f32(a->v, offsets[t], D, a->kv_dtype, v_tile + (int64_t)t * D);
+    /* int8: the keys' scales multiply their scores, the values' their weights. */
+    const int quantized = a->kv_dtype == DTYPE_INT8;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 k_scale0 = quantized ? _mm256_load_ps(s->ks) : one;
+    const __m256 k_scale1 = quantized ? _mm256_load_ps(s->ks + 8) : one;
+    const __m256 v_scale0 = quantized ? _mm256_load_ps(s->vs) : one;
+    const __m256 v_scale1 = quantized ? _mm256_load_ps(s->vs + 8) : one;
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
     for (int i = q_begin; i < q_end; i++) {
@@ -163,6 +174,10 @@ static inline __attribute__((always_inline)) void tile_head(
                 scores_rows(rows, kt, D, 1, scores);
             for (int j = 0; j < R; j++) {
                 const int r = first_row + g0 + j;
+                if (quantized) {
+                    scores[2 * j] = _mm256_mul_ps(scores[2 * j], k_scale0);
+                    scores[2 * j + 1] = _mm256_mul_ps(scores[2 * j + 1], k_scale1);
+                }
                 const __m256 s0 = _mm256_blendv_ps(minus_inf, scores[2 * j], live0);
                 const __m256 s1 = _mm256_blendv_ps(minus_inf, scores[2 * j + 1], live1);
                 const float tile_top = hmax8(_mm256_max_ps(s0, s1));
@@ -172,7 +187,9 @@ static inline __attribute__((always_inline)) void tile_head(
                 const __m256 p1 = _mm256_and_ps(live1, exp2_nonpositive8(_mm256_sub_ps(s1, t)));
                 float alpha;
                 update_row(top, &m[r], &l[r], hsum8(_mm256_add_ps(p0, p1)), &alpha);
-                accumulate_row(acc + (int64_t)r * D, alpha, p0, p1, seen, v_rows, D);
+                const __m256 w0 = quantized ? _mm256_mul_ps(p0, v_scale0) : p0;
+                const __m256 w1 = quantized ? _mm256_mul_ps(p1, v_scale1) : p1;
+                accumulate_row(acc + (int64_t)r * D, alpha, w0, w1, seen, v_rows, D);
             }
         }
     }

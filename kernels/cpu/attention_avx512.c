@@ -1,5 +1,5 @@
-/* The widening loops on AVX-512: every dtype, and bf16 where the CPU has no
- * AVX512-BF16 (or the item is one the dot-pair path does not take). Per 16-key tile
+/* The widening loops on AVX-512: every dtype, int8 caches, and bf16 where the CPU has
+ * no AVX512-BF16 (or the item is one the dot-pair path does not take). Per 16-key tile
  * and KV head, K is widened to fp32 and transposed in registers (16x16 shuffles), so
  * a query row's 16 scores are D broadcast multiply-adds with no horizontal sums (up
  * to four rows of a head share each key load); an online softmax in exp2; then
@@ -13,6 +13,10 @@
 
 static inline __m512 load16_f32(const void *base, int64_t offset, int dtype) {
     if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    if (dtype == DTYPE_INT8) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)((const int8_t *)base + offset));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    }
     const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
@@ -26,7 +30,7 @@ static inline void load_k_transposed(const Args *a, const int64_t *offsets, int 
         for (int c = 0; c < D; c += TILE) {
             __m512 r[TILE];
             for (int t = 0; t < TILE; t++)
-                r[t] = t < n ? load16_f32(a->k, offsets[t] + c, a->dtype) : _mm512_setzero_ps();
+                r[t] = t < n ? load16_f32(a->k, offsets[t] + c, a->kv_dtype) : _mm512_setzero_ps();
             transpose16(r);
             for (int j = 0; j < TILE; j++) _mm512_store_ps(kt + (int64_t)(c + j) * TILE, r[j]);
         }
@@ -34,7 +38,7 @@ static inline void load_k_transposed(const Args *a, const int64_t *offsets, int 
     }
     float row[D];
     for (int t = 0; t < TILE; t++) {
-        const float *src = t < n ? row_f32(a->k, offsets[t], D, a->dtype, row) : NULL;
+        const float *src = t < n ? row_f32(a->k, offsets[t], D, a->kv_dtype, row) : NULL;
         for (int d = 0; d < D; d++) kt[(int64_t)d * TILE + t] = src ? src[d] : 0.0f;
     }
 }
@@ -89,7 +93,11 @@ static inline __attribute__((always_inline)) void tile_head(
     load_k_transposed(a, offsets, n, D, kt);
     for (int t = 0; t < n; t++)
         for (int c = 0; c < D; c += 16)
-            _mm512_store_ps(v_tile + t * D + c, load16_f32(a->v, offsets[t] + c, a->dtype));
+            _mm512_store_ps(v_tile + t * D + c, load16_f32(a->v, offsets[t] + c, a->kv_dtype));
+    /* int8: the keys' scales multiply their scores, the values' their weights. */
+    const int quantized = a->kv_dtype == DTYPE_INT8;
+    const __m512 k_scale = quantized ? _mm512_load_ps(s->ks) : _mm512_set1_ps(1.0f);
+    const __m512 v_scale = quantized ? _mm512_load_ps(s->vs) : _mm512_set1_ps(1.0f);
     for (int i = q_begin; i < q_end; i++) {
         int seen = prefix + i - first + 1;
         if (seen <= 0) continue;
@@ -109,13 +117,15 @@ static inline __attribute__((always_inline)) void tile_head(
             }
             for (int j = 0; j < R; j++) {
                 const int r = first_row + g0 + j;
+                if (quantized) scores[j] = _mm512_mul_ps(scores[j], k_scale);
                 const float tile_top = _mm512_mask_reduce_max_ps(live, scores[j]);
                 const float top = tile_top > m[r] ? tile_top : m[r];
                 const __m512 p = _mm512_maskz_mov_ps(
                     live, exp2_nonpositive16(_mm512_sub_ps(scores[j], _mm512_set1_ps(top))));
                 float alpha;
                 update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(p), &alpha);
-                accumulate_row(acc + (int64_t)r * D, alpha, p, seen, v_tile, D);
+                const __m512 weights = quantized ? _mm512_mul_ps(p, v_scale) : p;
+                accumulate_row(acc + (int64_t)r * D, alpha, weights, seen, v_tile, D);
             }
         }
     }

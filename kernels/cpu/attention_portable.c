@@ -1,5 +1,6 @@
 /* The widening loops in portable C: builds whose target has neither AVX-512 nor AVX2
- * with FMA (elsewhere than x86, or -mno-avx2). K and V rows are widened to fp32 (in place for fp32),
+ * with FMA (elsewhere than x86, or -mno-avx2). K and V rows are widened to fp32 (in place
+ * for fp32; an int8 cache's scales applied to the scores and the weights),
  * K transposed per 16-key tile so a row's scores are plain vector loops the compiler
  * vectorises, then the online softmax and acc = acc * alpha + p . V per row. The
  * AVX-512 twin of this file is attention_avx512.c; the item walk that calls
@@ -15,7 +16,7 @@ static inline void load_k_transposed(const Args *a, const int64_t *offsets, int 
                                      float *restrict kt) {
     float row[D];
     for (int t = 0; t < TILE; t++) {
-        const float *src = t < n ? row_f32(a->k, offsets[t], D, a->dtype, row) : NULL;
+        const float *src = t < n ? row_f32(a->k, offsets[t], D, a->kv_dtype, row) : NULL;
         for (int d = 0; d < D; d++) kt[(int64_t)d * TILE + t] = src ? src[d] : 0.0f;
     }
 }
@@ -33,7 +34,9 @@ static inline __attribute__((always_inline)) void tile_head(
     const float *v_rows[TILE];
     load_k_transposed(a, offsets, n, D, kt);
     for (int t = 0; t < n; t++)
-        v_rows[t] = row_f32(a->v, offsets[t], D, a->dtype, v_tile + (int64_t)t * D);
+        v_rows[t] = row_f32(a->v, offsets[t], D, a->kv_dtype, v_tile + (int64_t)t * D);
+    /* int8: the keys' scales multiply their scores, the values' their weights. */
+    const int quantized = a->kv_dtype == DTYPE_INT8;
     for (int i = q_begin; i < q_end; i++) {
         int seen = prefix + i - first + 1;
         if (seen <= 0) continue;
@@ -47,6 +50,8 @@ static inline __attribute__((always_inline)) void tile_head(
 #pragma omp simd
                 for (int t = 0; t < TILE; t++) w[t] += qr[d] * kd[t];
             }
+            if (quantized)
+                for (int t = 0; t < TILE; t++) w[t] *= s->ks[t];
             float top = m[r];
             for (int t = 0; t < seen; t++) top = w[t] > top ? w[t] : top;
             float sum = 0.0f;
@@ -61,8 +66,9 @@ static inline __attribute__((always_inline)) void tile_head(
             for (int d = 0; d < D; d++) ar[d] *= alpha;
             for (int t = 0; t < seen; t++) {
                 const float *restrict vr = v_rows[t];
+                const float weight = quantized ? w[t] * s->vs[t] : w[t];
 #pragma omp simd
-                for (int d = 0; d < D; d++) ar[d] += w[t] * vr[d];
+                for (int d = 0; d < D; d++) ar[d] += weight * vr[d];
             }
         }
     }

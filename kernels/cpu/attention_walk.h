@@ -6,6 +6,7 @@
  *     prefetch                       the next block (widening loops)
  *     for each KV head
  *       item_offsets                 where the step's rows of this head lie
+ *       item_scales                  their scales, for an int8 cache
  *       item_offsets_ahead           the next step's rows, to prefetch (pair paths)
  *       path->step                   the path's own loop over the step's keys
  *   item_end                         the output rows, or the item's partial states
@@ -21,28 +22,60 @@
 
 #include "attention.h"
 
-/* Both halves of the next block, one cache line at a time, while this one is used. */
+/* Both halves of the next block (and an int8 cache's scales of it), one cache line at a
+ * time, while this one is used. `block`: the block's id. */
 static inline void prefetch_block(const Args *a, int64_t block) {
-    const int size = a->dtype == DTYPE_F32 ? 4 : 2;
+    const int size = kv_item_size(a->kv_dtype);
     const int64_t bytes = (int64_t)a->block_size * a->kv_stride_slot * size;
-    const char *k = (const char *)a->k + block * size;
-    const char *v = (const char *)a->v + block * size;
+    const char *k = (const char *)a->k + block * a->kv_stride_block * size;
+    const char *v = (const char *)a->v + block * a->kv_stride_block * size;
     for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(k + b);
         __builtin_prefetch(v + b);
+    }
+    if (a->kv_dtype != DTYPE_INT8) return;
+    const int64_t scale_bytes = (int64_t)a->block_size * a->scale_stride_slot * 2;
+    const char *ks = (const char *)(a->k_scale + block * a->scale_stride_block);
+    const char *vs = (const char *)(a->v_scale + block * a->scale_stride_block);
+    for (int64_t b = 0; b < scale_bytes; b += 64) {
+        __builtin_prefetch(ks + b);
+        __builtin_prefetch(vs + b);
+    }
+}
+
+/* An int8 cache's scales of the `keys` keys from position `first` (none from `stop`
+ * on), one cache line at a time: they lie apart from the rows, in their block's slabs. */
+static inline void prefetch_scales(const Args *a, const int32_t *table, int32_t first,
+                                   int32_t stop, int keys) {
+    const int bs = a->block_size;
+    const int64_t line = 32; /* bf16 scales per cache line */
+    for (int32_t pos = first; pos < first + keys && pos < stop;) {
+        int32_t end = (pos / bs + 1) * bs; /* this block's keys end here */
+        end = end < first + keys ? end : first + keys;
+        end = end < stop ? end : stop;
+        const int64_t base = (int64_t)table[pos / bs] * a->scale_stride_block;
+        const int64_t lo = base + (int64_t)(pos & (bs - 1)) * a->scale_stride_slot;
+        const int64_t hi = base + (int64_t)((end - 1) & (bs - 1)) * a->scale_stride_slot +
+                           (int64_t)(a->num_kv_heads - 1) * a->scale_stride_head;
+        for (int64_t at = lo; at < hi + line; at += line) {
+            __builtin_prefetch(a->k_scale + (at < hi ? at : hi));
+            __builtin_prefetch(a->v_scale + (at < hi ? at : hi));
+        }
+        pos = end;
     }
 }
 
 /* One item's working state. Scratch of one thread (floats, 64-byte aligned pieces as
  * D is a multiple of 16): q[rows * D] acc[rows * D] kt[TILE * D] v_tile[TILE * D]
- * m[rows] l[rows]. Row r = token (i - q_begin) * H_q + query head. */
+ * ks[2 * TILE] vs[2 * TILE] m[rows] l[rows]. Row r = token (i - q_begin) * H_q + query
+ * head. ks, vs: an int8 cache's scales of the step's keys for the head at hand. */
 typedef struct {
     int32_t start;  /* the sequence's first query row */
     int32_t prefix; /* its tokens before the new ones */
     int32_t stop;   /* keys the item reads end here: its last row's position + 1, capped */
     int rows;
     const int32_t *table;
-    float *q, *acc, *kt, *v_tile, *m, *l;
+    float *q, *acc, *kt, *v_tile, *ks, *vs, *m, *l;
 } ItemState;
 
 /* Lay out the item's scratch and load its query rows: as fp32 times the scale
@@ -62,7 +95,9 @@ static inline __attribute__((always_inline)) ItemState item_begin(const Args *a,
     s.acc = s.q + (int64_t)s.rows * D;
     s.kt = s.acc + (int64_t)s.rows * D;
     s.v_tile = s.kt + (int64_t)TILE * D;
-    s.m = s.v_tile + (int64_t)TILE * D;
+    s.ks = s.v_tile + (int64_t)TILE * D;
+    s.vs = s.ks + 2 * TILE;
+    s.m = s.vs + 2 * TILE;
     s.l = s.m + s.rows;
     for (int r = 0; r < s.rows; r++) {
         const int i = it->q_begin + r / Hq, head = r % Hq;
@@ -97,6 +132,62 @@ static inline __attribute__((always_inline)) void item_offsets(const Args *a,
         offsets[t] = (int64_t)table[pos / bs] * a->kv_stride_block +
                      (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
                      (int64_t)h * a->kv_stride_head;
+    }
+}
+
+#if defined(__AVX512F__)
+/* The scales of KV head h for `live` (<= 16) keys of one block from `slot`, as fp32,
+ * zeros past them: each gathered as the dword that ends with it, whose high half is its
+ * fp32 bits (the element before it lies in the pool too: the scales follow the rows). */
+static inline __m512 gather_scales16(const uint16_t *scales, const Args *a, int64_t block,
+                                     int slot, int h, int live) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int32_t stride = (int32_t)a->scale_stride_slot;
+    const int32_t at = slot * stride + h * (int32_t)a->scale_stride_head - 1;
+    const __m512i index =
+        _mm512_add_epi32(_mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride)), _mm512_set1_epi32(at));
+    const __mmask16 mask = live >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1u);
+    const __m512i dwords = _mm512_mask_i32gather_epi32(
+        _mm512_setzero_si512(), mask, index, scales + block * a->scale_stride_block, 2);
+    return _mm512_castsi512_ps(_mm512_and_si512(dwords, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
+/* An int8 cache's scales of KV head h's rows for the n keys from position `first`, as
+ * fp32 (ks for K, vs for V); zeros past n. */
+static inline __attribute__((always_inline)) void item_scales(const Args *a, const int32_t *table,
+                                                              int32_t first, int n, int keys,
+                                                              int h, float *ks, float *vs) {
+    const int bs = a->block_size;
+#if defined(__AVX512F__)
+    if (bs >= 16 && (first & 15) == 0) { /* 16 keys at a time, each group in one block */
+        for (int g = 0; g < keys; g += 16) {
+            const int live = n - g;
+            if (live <= 0) {
+                _mm512_store_ps(ks + g, _mm512_setzero_ps());
+                _mm512_store_ps(vs + g, _mm512_setzero_ps());
+                continue;
+            }
+            const int32_t pos = first + g;
+            const int64_t block = table[pos / bs];
+            const int slot = pos & (bs - 1);
+            _mm512_store_ps(ks + g, gather_scales16(a->k_scale, a, block, slot, h, live));
+            _mm512_store_ps(vs + g, gather_scales16(a->v_scale, a, block, slot, h, live));
+        }
+        return;
+    }
+#endif
+    for (int t = 0; t < keys; t++) {
+        if (t >= n) {
+            ks[t] = vs[t] = 0.0f;
+            continue;
+        }
+        const int32_t pos = first + t;
+        const int64_t at = (int64_t)table[pos / bs] * a->scale_stride_block +
+                           (int64_t)(pos & (bs - 1)) * a->scale_stride_slot +
+                           (int64_t)h * a->scale_stride_head;
+        ks[t] = bf16_to_f32(a->k_scale[at]);
+        vs[t] = bf16_to_f32(a->v_scale[at]);
     }
 }
 
@@ -189,16 +280,22 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
     const int keys = path->pairs ? 2 * TILE : TILE;
     const int bs = a->block_size;
     int64_t offsets[2 * TILE], ahead[2 * TILE];
+    /* The pair paths prefetch an int8 cache's rows two steps ahead: its rows are half as
+     * long, so the same distance in keys would keep half the bytes in flight. */
+    const int quantized = a->kv_dtype == DTYPE_INT8;
+    const int32_t distance = quantized ? 2 * keys : keys;
     for (int32_t first = it->key_begin; first < s.stop; first += keys) {
         const int n = s.stop - first < keys ? s.stop - first : keys;
         if (!path->pairs) {
             const int32_t next = first + (bs > TILE ? bs : TILE);
-            if (next < s.stop && (first & (bs - 1)) == 0)
-                prefetch_block(a, (int64_t)s.table[next / bs] * a->kv_stride_block);
+            if (next < s.stop && (first & (bs - 1)) == 0) prefetch_block(a, s.table[next / bs]);
+        } else if (quantized) {
+            prefetch_scales(a, s.table, first + distance, s.stop, keys);
         }
         for (int h = 0; h < a->num_kv_heads; h++) {
             item_offsets(a, s.table, first, n, h, offsets);
-            if (path->pairs) item_offsets_ahead(a, s.table, first + keys, s.stop, h, ahead);
+            if (quantized) item_scales(a, s.table, first, n, keys, h, s.ks, s.vs);
+            if (path->pairs) item_offsets_ahead(a, s.table, first + distance, s.stop, h, ahead);
             path->step(a, it, &s, offsets, ahead, first, n, h, ctx, D);
         }
     }

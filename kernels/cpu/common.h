@@ -6,7 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 }; /* kernels/cpu/native.py: DTYPE_CODES */
+/* kernels/cpu/native.py: DTYPE_CODES; int8 only for KV caches (KV_DTYPE_CODES). */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_INT8 = 2 };
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;

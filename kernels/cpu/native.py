@@ -75,8 +75,9 @@ BASE_FLAGS = [
     "-shared",
 ]
 BUILD_TIMEOUT_S = 120
-# The C kernels' dtype argument.
+# The C kernels' dtype argument (common.h), and the attention's KV dtype argument.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2}
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
@@ -232,13 +233,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [
         ptr, i64, i64,  # query, strides (token, head)
         ptr, ptr, i64, i64, i64,  # k, v, strides (block, slot, head)
+        ptr, ptr, i64, i64, i64,  # their scales (int8 caches, else NULL), strides
         ptr, i64, i64,  # out, strides (token, head)
         ptr, i64,  # block_tables, row stride
         ptr, ptr,  # query_start, context_lens
         ptr, i32,  # seqs, num_seqs
         i32, i32, i32, i32,  # num_q_heads, num_kv_heads, head_dim, block_size
         i32, i32,  # q_tile, span (0: slices by load)
-        ctypes.c_float, i32, i32,  # scale * log2(e), dtype, num_threads
+        ctypes.c_float, i32, i32, i32,  # scale * log2(e), dtype, KV dtype, num_threads
     ]  # fmt: skip
     lib.chatsvc_attention_uses_tiles.restype = ctypes.c_int
     lib.chatsvc_attention_uses_tiles.argtypes = []
@@ -254,6 +256,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i64, i64, ptr, i64, i64,  # key, value and their (token, head) strides
         ptr, ptr, i64, i64, i64,  # k_cache, v_cache, strides (block, slot, head)
         ptr, i64, i64, i64, i64, i64,  # slots, tokens, heads, head_dim, block_size, item size
+    ]  # fmt: skip
+    write = lib.chatsvc_write_kv_int8
+    write.restype = None
+    write.argtypes = [
+        ptr, i64, i64, ptr, i64, i64,  # key, value and their (token, head) strides
+        ptr, ptr, i64, i64, i64,  # k_cache, v_cache (int8), strides (block, slot, head)
+        ptr, ptr, i64, i64, i64,  # k_scale, v_scale (bf16), strides (block, slot, head)
+        ptr, i64, i64, i64, i64, i32,  # slots, tokens, heads, head_dim, block_size, dtype
     ]  # fmt: skip
     rope = lib.chatsvc_rope
     rope.restype = None

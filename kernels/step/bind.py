@@ -43,15 +43,17 @@ def bind_step(
     backend: str | None = None,
     invariant: bool = True,
 ) -> StepOps:
-    """The kernels of one step over ``kv_pool [N, L, 2, block_size, H_kv, D]`` for all its
-    layers, on ``backend`` (None: the environment's choice, else ``"auto"``); invariant
-    ones (``kernels.invariance``) unless ``invariant`` is False.
+    """The kernels of one step over ``kv_pool [N, L, 2, block_size, H_kv, D]`` (the model's
+    dtype, or int8 with scales: ``kernels.kv_layout``) for all its layers, on ``backend``
+    (None: the environment's choice, else ``"auto"``); invariant ones
+    (``kernels.invariance``) unless ``invariant`` is False.
 
     ``batch``'s value ranges must have been checked against the pool (the model does,
     once per step); shapes are checked here. Raises ``ValueError`` for a backend that
     cannot run here or a batch that does not fit the pool.
     """
+    dtype = dims.dtype or kv_pool.dtype
     choice = backends.choose_kernels(
-        kv_pool.device, kv_pool.dtype, kv_pool.shape[-1], backend, invariant
+        kv_pool.device, dtype, kv_pool.shape[-1], backend, invariant, kv_pool.dtype
     )
     return STEP_OPS[choice.backend](batch, kv_pool, dims, choice)

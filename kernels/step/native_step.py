@@ -6,7 +6,9 @@ themselves. Here the library, the team size, the index tensors in the dtypes the
 code reads, and the pool's strides are resolved once per step, and each layer's
 call checks its row count and layer id and launches. The step's attention metadata
 lists the sequences the C attention takes (up to ``native_max_query`` new tokens)
-and groups the longer runs for the torch path's SDPA.
+and groups the longer runs for the torch path's SDPA. An int8 pool (``kernels.kv_layout``)
+takes every run to the C attention (the groups read float caches), its scales addressed
+like its rows.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ import torch
 from kernels import invariance
 from kernels.backend import KernelChoice, native_takes
 from kernels.cpu import native
-from kernels.cpu.attention import launch_attention
+from kernels.cpu.attention import NO_SCALES, launch_attention
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
+from kernels.kv_layout import is_quantized, scale_views
 from kernels.rms_norm import rms_norm_native
 from kernels.rope import apply_rope_native
 from kernels.step.ops import StepBatch, StepDims, StepOps
 from kernels.swiglu import swiglu_native
-from kernels.write_kv import launch_write_kv
+from kernels.write_kv import launch_write_kv, launch_write_kv_int8
 
 
 class NativeStep(StepOps):
@@ -35,10 +38,11 @@ class NativeStep(StepOps):
         self, batch: StepBatch, kv_pool: torch.Tensor, dims: StepDims, choice: KernelChoice
     ) -> None:
         super().__init__(batch, kv_pool, dims)
-        if not native_takes(kv_pool.device, kv_pool.dtype, kv_pool.shape[5]):
+        if not native_takes(kv_pool.device, self.dtype, kv_pool.shape[5], kv_pool.dtype):
             raise ValueError(
-                f"the native kernels take CPU fp32/bf16 pools with head_dim a multiple of 16 "
-                f"up to 256, got {kv_pool.device} {kv_pool.dtype} head_dim {kv_pool.shape[5]}"
+                f"the native kernels take CPU fp32/bf16 steps (int8 pools too) with head_dim "
+                f"a multiple of 16 up to 256, got {kv_pool.device} {self.dtype} over a "
+                f"{kv_pool.dtype} pool, head_dim {kv_pool.shape[5]}"
             )
         num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
         self.metadata: ExtendMetadata = extend_metadata(
@@ -48,7 +52,7 @@ class NativeStep(StepOps):
             kv_pool.shape[3],
             dims.num_q_heads // num_kv_heads,
             num_kv_heads * head_dim * kv_pool.element_size(),
-            kv_pool.dtype,
+            self.dtype,
             native_max_query=choice.native_max_query,
         )
         self._lib = native.require()
@@ -64,11 +68,28 @@ class NativeStep(StepOps):
         item = kv_pool.element_size()
         self._layer_bytes, self._v_bytes = kv_pool.stride(1) * item, kv_pool.stride(2) * item
         self._cache_strides = (kv_pool.stride(0), kv_pool.stride(3), kv_pool.stride(4))
+        self._kv_code = native.KV_DTYPE_CODES[kv_pool.dtype]
+        # An int8 pool's scales: layer 0's views give the strides, the layers lie apart
+        # by a fixed step (kv_layout: [L, 2, block_size, H_kv] bf16 in each block).
+        self._scales = None
+        if is_quantized(kv_pool.dtype):
+            k_scale, v_scale = scale_views(kv_pool, 0)
+            self._scales = (k_scale.data_ptr(), v_scale.data_ptr() - k_scale.data_ptr())
+            self._scale_layer_bytes = 2 * (v_scale.data_ptr() - k_scale.data_ptr())
+            self._scale_strides = k_scale.stride()
 
     def _caches(self, layer: int) -> tuple[int, int]:
         self.check_layer(layer)
         k_ptr = self.kv_pool.data_ptr() + layer * self._layer_bytes
         return k_ptr, k_ptr + self._v_bytes
+
+    def _layer_scales(self, layer: int) -> tuple:
+        """The C calls' scale arguments of a layer (``cache_scales``)."""
+        if self._scales is None:
+            return NO_SCALES
+        base, v_offset = self._scales
+        k_ptr = base + layer * self._scale_layer_bytes
+        return (k_ptr, k_ptr + v_offset, *self._scale_strides)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm_native(x, weight, self.eps, lib=self._lib, num_threads=self._threads)
@@ -84,17 +105,29 @@ class NativeStep(StepOps):
     def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self.check_kv(key, value)
         block_size = self.kv_pool.shape[3]
-        args = (self._caches(layer), self._cache_strides, self._slots, block_size)
-        launch_write_kv(self._lib, key, value, *args)
+        caches = (self._caches(layer), self._cache_strides)
+        if self._scales is None:
+            launch_write_kv(self._lib, key, value, *caches, self._slots, block_size)
+            return
+        scales = self._layer_scales(layer)
+        launch_write_kv_int8(self._lib, key, value, *caches, scales, self._slots, block_size)
 
     def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         self.check_query(query)
         out = torch.empty_like(query)
         if self._seqs.numel():
             pool = self.kv_pool
-            layout = (self._caches(layer), self._cache_strides, pool.shape[3], pool.shape[4])
+            layout = (
+                self._caches(layer),
+                self._cache_strides,
+                self._layer_scales(layer),
+                pool.shape[3],
+                pool.shape[4],
+            )
             indices = (self._tables, self._starts, self._lens, self._seqs)
-            launch_attention(self._lib, query, *layout, *indices, self.scale, out, self._span)
+            launch_attention(
+                self._lib, query, *layout, *indices, self.scale, out, self._span, self._kv_code
+            )
         if self.metadata.groups:
             k_cache, v_cache = self.layer_caches(layer)
             attend_groups(query, k_cache, v_cache, self.metadata, self.scale, out)

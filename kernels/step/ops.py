@@ -13,7 +13,8 @@ layer then calls:
 Contract with the caller (the model): the batch's value ranges (slots, block ids,
 context lengths) were checked against the pool, and per layer it passes tensors of
 the shapes the step was bound for: ``x`` / ``gate_up`` 2-D, ``query`` / ``key`` /
-``value`` 3-D with unit stride on the last axis, in the pool's dtype. Each call
+``value`` 3-D with unit stride on the last axis, in the step's dtype (the pool's, or the
+model's over an int8 pool: ``StepDims.dtype``). Each call
 checks row counts and layer ids, which keep a wrong call from addressing memory
 outside its tensors through the step's index tensors.
 """
@@ -24,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.kv_layout import layer_views
+from kernels.kv_layout import LayerKV, is_quantized, layer_kv, layer_views, num_layers
 from kernels.validate import check_index
 
 
@@ -45,6 +46,9 @@ class StepDims(NamedTuple):
     num_q_heads: int
     scale: float  # the attention's softmax scale
     eps: float  # RMSNorm's
+    # What the model computes in: the pool's dtype, unless the pool holds int8 KV
+    # (kernels/kv_layout.py). None: the pool's.
+    dtype: torch.dtype | None = None
 
 
 class StepOps:
@@ -58,6 +62,9 @@ class StepOps:
     def __init__(self, batch: StepBatch, kv_pool: torch.Tensor, dims: StepDims) -> None:
         if kv_pool.dim() != 6 or kv_pool.shape[2] != 2 or kv_pool.stride(5) != 1:
             raise ValueError("kv_pool must be [N, L, 2, block_size, H_kv, D], unit stride on D")
+        dtype = dims.dtype or kv_pool.dtype
+        if kv_pool.dtype != dtype and not is_quantized(kv_pool.dtype):
+            raise ValueError(f"a {dtype} step over a {kv_pool.dtype} pool")
         num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
         if dims.num_q_heads % num_kv_heads:
             raise ValueError(
@@ -72,6 +79,8 @@ class StepOps:
             raise ValueError("query_start_loc must be [B + 1] and block_tables [B, n]")
         self.batch = batch
         self.kv_pool = kv_pool
+        self.dtype = dtype
+        self.num_layers = num_layers(kv_pool)
         self.num_tokens = batch.slot_mapping.shape[0]
         self.query_shape = (self.num_tokens, dims.num_q_heads, head_dim)
         self.kv_shape = (self.num_tokens, num_kv_heads, head_dim)
@@ -79,25 +88,34 @@ class StepOps:
         self.eps = dims.eps
 
     def check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.kv_pool.shape[1]:
-            raise ValueError(f"layer {layer} is outside the pool's {self.kv_pool.shape[1]}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside the pool's {self.num_layers}")
 
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V caches, ``[N, block_size, H_kv, D]`` views."""
         self.check_layer(layer)
         return layer_views(self.kv_pool, layer)
 
+    def layer_kv(self, layer: int) -> LayerKV:
+        """Layer ``layer``'s K and V caches with their scales (an int8 pool's)."""
+        self.check_layer(layer)
+        return layer_kv(self.kv_pool, layer)
+
     def check_rows(self, x: torch.Tensor, name: str) -> None:
         if x.shape[0] != self.num_tokens:
             raise ValueError(f"{name} of a {self.num_tokens}-token step got {x.shape[0]} rows")
 
     def check_query(self, query: torch.Tensor) -> None:
+        if query.dtype != self.dtype:
+            raise ValueError(f"attention of a {self.dtype} step got a {query.dtype} query")
         if query.shape != self.query_shape:
             raise ValueError(
                 f"attention of a {self.num_tokens}-token step got {tuple(query.shape)}"
             )
 
     def check_kv(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if key.dtype != self.dtype or value.dtype != self.dtype:
+            raise ValueError(f"write_kv of a {self.dtype} step got {key.dtype} rows")
         if key.shape != self.kv_shape or value.shape != self.kv_shape:
             raise ValueError(f"write_kv of a {self.num_tokens}-token step got {tuple(key.shape)}")
 

@@ -6,7 +6,9 @@ attention's plan are built here once for all layers. In invariant steps (the def
 ``kernels.invariance``) the plan is the fixed-shape span tasks of
 ``kernels.span_metadata``; otherwise the padded SDPA groups of
 ``kernels.extend_metadata`` (a decode is the step whose sequences all have one new
-token: the groups then hold decodes only, with one key mask per sequence).
+token: the groups then hold decodes only, with one key mask per sequence). An int8 pool
+(``kernels.kv_layout``) takes the span tasks in either mode: they dequantize what they
+gather, the groups read float caches.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from kernels.backend import KernelChoice
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
+from kernels.kv_layout import is_quantized
 from kernels.rms_norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
 from kernels.span_attention import attend_spans
@@ -39,7 +42,7 @@ class TorchStep(StepOps):
         group = dims.num_q_heads // num_kv_heads
         tables, starts, lens = batch.block_tables, batch.query_start_loc, batch.context_lens
         self.metadata: ExtendMetadata | SpanMetadata
-        if choice.invariant:
+        if choice.invariant or is_quantized(kv_pool.dtype):  # the groups read float caches
             self.metadata = span_metadata(tables, starts, lens, kv_pool.shape[3], group)
         else:
             row_bytes = num_kv_heads * head_dim * kv_pool.element_size()
@@ -60,14 +63,15 @@ class TorchStep(StepOps):
 
     def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self.check_kv(key, value)
-        k_cache, v_cache = self.layer_caches(layer)
-        write_kv_torch(k_cache, v_cache, key, value, self.batch.slot_mapping, self.write_index)
+        k_cache, v_cache, scales = self.layer_kv(layer)
+        slots, index = self.batch.slot_mapping, self.write_index
+        write_kv_torch(k_cache, v_cache, key, value, slots, index, scales)
 
     def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         self.check_query(query)
-        k_cache, v_cache = self.layer_caches(layer)
+        k_cache, v_cache, scales = self.layer_kv(layer)
         if isinstance(self.metadata, SpanMetadata):
-            return attend_spans(query, k_cache, v_cache, self.metadata, self.scale)
+            return attend_spans(query, k_cache, v_cache, self.metadata, self.scale, scales)
         out = torch.empty_like(query)
         attend_groups(query, k_cache, v_cache, self.metadata, self.scale, out)
         return out

@@ -53,18 +53,18 @@ class TritonStep(StepOps):
 
     def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self.check_kv(key, value)
-        k_cache, v_cache = self.layer_caches(layer)
-        write_kv_triton(k_cache, v_cache, key, value, self.batch.slot_mapping)
+        k_cache, v_cache, scales = self.layer_kv(layer)
+        write_kv_triton(k_cache, v_cache, key, value, self.batch.slot_mapping, scales)
 
     def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         self.check_query(query)
-        k_cache, v_cache = self.layer_caches(layer)
+        k_cache, v_cache, scales = self.layer_kv(layer)
         b = self.batch
         inputs = AttentionInputs(
             query, k_cache, v_cache, b.block_tables, self._starts, b.context_lens, self.scale
         )
-        if self.invariant:
-            return paged_attention_spans_triton(inputs, b.max_query_len)
+        if self.invariant:  # an int8 pool (kernels.kv_layout) is read here only
+            return paged_attention_spans_triton(inputs, b.max_query_len, scales=scales)
         if self._starts is None:
             return paged_decode_attention_triton(inputs)
         return paged_extend_attention_triton(inputs, b.max_query_len)

@@ -32,7 +32,10 @@ def test_cache_stats_cover_engine_and_requests(admin, acme):
     engine = stats["engine"]
     for key in ("device", "host", "indexed_blocks"):
         assert key in engine
-    assert engine["device"]["total"] > 0
+    # The KV dtype and the pool's blocks, as the start-up log names them: the model's
+    # dtype by default (CHATSVC_KV_DTYPE=auto), the blocks the config asked for.
+    assert engine["kv_dtype"] in ("bfloat16", "float32")
+    assert engine["device"]["total"] == 512
     overall = stats["requests"]["overall"]
     assert overall["requests"] >= 2
     assert 0 < overall["cached_tokens"] <= overall["prompt_tokens"]

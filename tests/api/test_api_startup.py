@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -170,6 +171,9 @@ def test_sigterm_during_start_up_stops_at_once_and_keeps_the_store(tmp_path):
     # The service's own log format (a request id on every line), written to the end.
     lines = (tmp_path / "first.log").read_text().splitlines()
     assert any("engine loaded in" in line and "[request_id=-]" in line for line in lines)
+    # It names the pool: its blocks and their KV dtype (the model's by default).
+    loaded = next(line for line in lines if "engine loaded in" in line)
+    assert re.search(r"128 KV blocks of 16 tokens in (bfloat16|float32)\b", loaded), loaded
     assert "Finished server process" in lines[-1], lines[-5:]
 
     # Each phase's end logs its line (service.start_engine): absent, it was not waited for.

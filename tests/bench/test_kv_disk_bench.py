@@ -77,6 +77,22 @@ def test_working_set_reports_each_run(tmp_path):
     assert re.search(r"hit rate [\d.]+% of ideal", out)
 
 
+@pytest.mark.slow
+def test_kv_capacity_gives_int8_about_twice_the_blocks_of_the_same_bytes():
+    out = run_bench(
+        "bench.kv_capacity",
+        *TINY,
+        "--sessions", "2", "--turns", "2", "--think-time", "0", "--pool-fraction", "2",
+    )  # fmt: skip
+    rows = {
+        m[1]: (int(m[2]), float(m[3]))
+        for m in re.finditer(r"^\| (auto|int8) \(\w+\) \| (\d+) \|.*?\| ([\d.]+)% \|", out, re.M)
+    }
+    assert set(rows) == {"auto", "int8"}, out
+    assert rows["int8"][0] >= 1.9 * rows["auto"][0]  # the same bytes, 1.94x for SmolLM2
+    assert rows["int8"][1] > 0 and rows["auto"][1] > 0  # the second turns hit their first
+
+
 def test_warm_restart_repeats_print_each_ratio_and_their_median(capsys):
     from bench.kv_disk.warm_restart import parse_args, print_repeats
 

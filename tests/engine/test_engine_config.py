@@ -69,3 +69,41 @@ def test_the_default_pool_holds_as_many_blocks_in_fp32_as_in_bf16(smollm2_fp32):
     assert given.num_blocks_for(bf16, bf16) == blocks
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         EngineConfig(kv_cache_bytes=0).validate()
+
+
+def test_int8_kv_holds_about_twice_the_blocks_in_the_same_bytes(smollm2_fp32):
+    import torch
+
+    from chatsvc.engine import config as engine_config
+    from chatsvc.engine.config import DEFAULT_KV_CACHE_BYTES
+    from kernels import kv_layout
+
+    assert engine_config.KV_DTYPES == kv_layout.KV_DTYPES
+    shape = smollm2_fp32.model.kv_shape(16)
+    int8, bf16 = shape.block_bytes(torch.int8), shape.block_bytes(torch.bfloat16)
+    parsed = EngineConfig.from_env({"CHATSVC_KV_DTYPE": "int8"})
+    assert parsed.kv_dtype == "int8"
+    # The default with int8 KV: the blocks the default bytes hold in int8.
+    assert parsed.num_blocks_for(int8, int8) == DEFAULT_KV_CACHE_BYTES // int8
+    assert parsed.num_blocks_for(int8, int8) >= 1.9 * EngineConfig().num_blocks_for(bf16, bf16)
+    given = EngineConfig(kv_cache_bytes=100 * bf16, kv_dtype="int8")
+    assert given.num_blocks_for(int8, int8) == 100 * bf16 // int8 >= 190
+    with pytest.raises(ValueError, match="kv_dtype"):
+        EngineConfig.from_env({"CHATSVC_KV_DTYPE": "fp8"})
+
+
+def test_an_int8_kv_engine_names_its_dtype_and_refuses_kernels_that_cannot_read_it(
+    smollm2_fp32, monkeypatch
+):
+    from chatsvc.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(dtype="fp32", kv_dtype="int8"), smollm2_fp32)
+    stats = engine.cache_stats()
+    assert stats["kv_dtype"] == "int8" and engine.runner.kv_pool.dtype.itemsize == 1
+    assert stats["block_bytes"] == smollm2_fp32.model.kv_shape(16).block_bytes(
+        engine.runner.kv_pool.dtype
+    )
+    monkeypatch.setenv("CHATSVC_KERNEL_BACKEND", "triton")  # off CUDA: the interpreter's
+    with pytest.raises(ValueError, match="invariant kernels only"):
+        config = EngineConfig(dtype="fp32", kv_dtype="int8", num_gpu_blocks=8, invariant=False)
+        LLMEngine(config, smollm2_fp32)

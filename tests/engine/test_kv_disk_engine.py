@@ -522,3 +522,27 @@ def test_sessions_returning_together_prefill_in_one_step_after_their_loads(smoll
     assert {r: tokens for r, (tokens, _) in got.items()} == {
         r: tokens for r, (tokens, _) in expected.items()
     }
+
+
+def test_int8_kv_restarts_warm_and_never_meets_float_kv_on_disk(smollm2_fp32, tmp_path):
+    """The KV dtype is part of the fingerprint: an int8-KV engine's blocks come back to an
+    int8-KV engine after a restart (its rows and scales: the same greedy tokens as the
+    int8 engine that computed them), and an engine with KV in the model dtype on the
+    same directory finds none of them (nor they its)."""
+    int8 = config(tmp_path, kv_dtype="int8")
+    with engine_on(smollm2_fp32, int8) as first:
+        assert first.cache_stats()["kv_dtype"] == "int8"
+        outputs, _, history = converse(first, 1)
+        computed = converse.computed
+        int8_dir = first.disk_tier.directory.path
+        expected, _, _ = converse(first, 1, history, start=1)
+    with engine_on(smollm2_fp32, config(tmp_path)) as floats:
+        assert floats.disk_tier.num_found == 0 and floats.disk_tier.directory.path != int8_dir
+        _, metrics, _ = converse(floats, 1, history, start=1)
+        assert metrics[0].cached_tokens_by_tier["disk"] == 0
+    with engine_on(smollm2_fp32, int8) as second:
+        assert second.disk_tier.num_found >= computed // 16
+        again, metrics, _ = converse(second, 1, history, start=1)
+        assert metrics[0].cached_tokens_by_tier["disk"] >= computed // 16 * 16
+        assert again == expected
+        second.check_integrity()

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kernels
 from cache.hashing import ROOT_HASH, BlockHasher
 from cache.plan import DiskLoad
 from chatsvc.engine.kv_disk.buffers import BufferPool, PoolBlock
@@ -27,6 +28,8 @@ from chatsvc.engine.kv_disk.fileformat import (
 from chatsvc.engine.kv_disk.fingerprint import weights_digest
 from chatsvc.engine.kv_disk.jobs import DeleteJob, WriteJob
 from chatsvc.engine.kv_disk.load_job import MISSING, LoadJob
+from kernels.kv_layout import KVShape, layer_kv, new_kv_pool
+from kernels.kv_quant import quantize_rows
 from tests.engine.kv_fs import read_only_dir
 
 BS = 16
@@ -222,3 +225,24 @@ def test_weights_rewritten_with_their_size_and_mtime_kept_are_hashed_again(tmp_p
         before.st_mtime_ns,
     )
     assert weights_digest(loaded, 0, memo) != first
+
+
+def test_an_int8_block_loads_back_with_its_scales_bit_for_bit(directory):
+    """An int8 pool's block file holds its rows and their scales (kv_layout: the scales
+    lie inside the block), so a load restores both: a read through the loaded block
+    gives the values written."""
+    shape = KVShape(2, BS, 3, 64)
+    pool = new_kv_pool(4, shape, torch.int8, "cpu")
+    key = torch.randn(BS, 3, 64, generator=torch.Generator().manual_seed(3))
+    slots = torch.arange(BS, 2 * BS)  # block 1
+    for layer in range(2):
+        k, v, scales = layer_kv(pool, layer)
+        kernels.write_kv(k, v, key * (layer + 1), -key, slots, scales=scales)
+    path = _write(directory, pool)
+    assert path.stat().st_size == header_len(BS) + shape.block_bytes(torch.int8)
+    target = new_kv_pool(4, shape, torch.int8, "cpu")
+    assert _load(path, target) == OK
+    assert torch.equal(target[2], pool[1])
+    k, _, scales = layer_kv(target, 1)
+    q, s = quantize_rows(key * 2)
+    assert torch.equal(k[2], q) and torch.equal(scales.k[2], s)

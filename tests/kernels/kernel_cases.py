@@ -5,6 +5,11 @@ layers, so the layer views are strided like the engine's) filled with random
 K/V for ragged sequences whose blocks are a random permutation of the pool:
 non-contiguous and out of order. The dense per-sequence K/V stay alongside, so
 the oracle can attend over contiguous tensors with an explicit causal mask.
+
+An int8 case (``kv_dtype=torch.int8``) writes its K/V through the reference quantizer
+(``kernels.kv_quant``) and keeps both what was written (``raw_keys``) and what the cache
+now holds, dequantized exactly (``keys``): the oracle of the kernels is then the
+dense attention over the dequantized K/V, at the query dtype's tolerance.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_layout import KVShape, layer_views, new_kv_pool
+from kernels.kv_layout import KVScales, KVShape, is_quantized, layer_kv, new_kv_pool
+from kernels.kv_quant import dequantize_rows, quantize_rows
 
 # Tolerances per dtype, for every comparison in this package (atol, rtol).
 # fp32: both sides accumulate in fp32 (or better); differences are rounding
@@ -38,12 +44,21 @@ class PagedCase:
     v_cache: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with -1
     context_lens: torch.Tensor  # [B] int32
-    keys: list[torch.Tensor]  # per sequence [len, H_kv, D], dense
+    keys: list[torch.Tensor]  # per sequence [len, H_kv, D], dense (as the cache holds them;
+    # int8: dequantized, in fp32, which holds every q * scale exactly)
     values: list[torch.Tensor]
+    scales: KVScales | None = None  # an int8 cache's
+    raw_keys: list[torch.Tensor] | None = None  # an int8 case's K/V before quantization
+    raw_values: list[torch.Tensor] | None = None
 
     @property
     def block_size(self) -> int:
         return self.k_cache.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The queries' and outputs' dtype (the pool's, or the one quantized into int8)."""
+        return (self.raw_keys or self.keys)[0].dtype
 
 
 def make_paged_case(
@@ -55,15 +70,22 @@ def make_paged_case(
     seed: int = 0,
     spare_blocks: int = 3,
     extra_table_cols: int = 1,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedCase:
-    """Random K/V for sequences of ``lens`` tokens, stored through shuffled block tables."""
+    """Random K/V for sequences of ``lens`` tokens, stored through shuffled block tables
+    (``dtype``: the values'; ``kv_dtype``: the pool's, None for ``dtype``)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     shape = KVShape(2, block_size, num_kv_heads, head_dim)
-    pool = new_kv_pool(num_blocks, shape, dtype, "cpu")
-    pool.copy_(torch.randn(pool.shape, generator=gen).to(dtype))  # garbage outside contexts
-    k_cache, v_cache = layer_views(pool, 1)
+    pool = new_kv_pool(num_blocks, shape, kv_dtype or dtype, "cpu")
+    quantized = is_quantized(pool.dtype)
+    if quantized:  # garbage outside contexts: random bytes, NaN scales among them
+        pool.copy_(torch.randint(-128, 128, pool.shape, generator=gen, dtype=torch.int8))
+    else:
+        pool.copy_(torch.randn(pool.shape, generator=gen).to(dtype))
+    k_cache, v_cache, scales = layer_kv(pool, 1)
+    raw_keys, raw_values = [], []
     order = torch.randperm(num_blocks, generator=gen)
     width = max(blocks_per_seq) + extra_table_cols
     tables = torch.full((len(lens), width), -1, dtype=torch.int32)
@@ -76,12 +98,23 @@ def make_paged_case(
         v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
         pos = torch.arange(n)
         blocks = tables[b, pos // block_size].long()
-        k_cache[blocks, pos % block_size] = k
-        v_cache[blocks, pos % block_size] = v
+        if quantized:
+            raw_keys.append(k)
+            raw_values.append(v)
+            (qk, sk), (qv, sv) = quantize_rows(k), quantize_rows(v)
+            k_cache[blocks, pos % block_size], scales.k[blocks, pos % block_size] = qk, sk
+            v_cache[blocks, pos % block_size], scales.v[blocks, pos % block_size] = qv, sv
+            k, v = dequantize_rows(qk, sk), dequantize_rows(qv, sv)  # fp32: exact
+        else:
+            k_cache[blocks, pos % block_size] = k
+            v_cache[blocks, pos % block_size] = v
         keys.append(k)
         values.append(v)
+    lens_tensor = torch.tensor(lens, dtype=torch.int32)
+    if not quantized:
+        return PagedCase(pool, k_cache, v_cache, tables, lens_tensor, keys, values)
     return PagedCase(
-        pool, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), keys, values
+        pool, k_cache, v_cache, tables, lens_tensor, keys, values, scales, raw_keys, raw_values
     )
 
 
@@ -128,7 +161,7 @@ def extend_inputs(
     """``(query [T, H_q, D], query_start_loc [B + 1])`` for the last ``q_lens`` tokens."""
     gen = torch.Generator().manual_seed(seed)
     head_dim = case.k_cache.shape[3]
-    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(case.pool.dtype)
+    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(case.dtype)
     starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     starts[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     return query, starts

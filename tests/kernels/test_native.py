@@ -20,6 +20,7 @@ from kernel_cases import (
     make_paged_case,
     share_prefix,
 )
+from test_kv_int8 import check_int8
 
 import kernels
 from kernels.attention_inputs import AttentionInputs
@@ -135,6 +136,7 @@ def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, tmp_path, monk
     lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
     _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
     _check([900], [5], 16, 1, 4, 128, dtype, lib)
+    check_int8([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)  # the same loops, int8 KV
 
 
 def _shared_prefix_case(dtype):

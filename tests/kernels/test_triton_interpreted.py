@@ -1,5 +1,5 @@
-"""Runs ``triton_checks.py`` (Triton kernels vs the references) and ``triton_span_checks.py``
-(the invariant kernels) in one subprocess.
+"""Runs ``triton_checks.py`` (Triton kernels vs the references), ``triton_span_checks.py``
+(the invariant kernels) and ``triton_checks_kv_int8.py`` (int8 KV) in one subprocess.
 
 Triton binds its interpreter when it is first imported, and the rest of the
 suite (the engine tests) must keep the torch path on CPU, so the comparisons
@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHECKS = [Path(__file__).with_name(name) for name in ("triton_checks.py", "triton_span_checks.py")]
+CHECKS = [
+    Path(__file__).with_name(name)
+    for name in ("triton_checks.py", "triton_span_checks.py", "triton_checks_kv_int8.py")
+]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

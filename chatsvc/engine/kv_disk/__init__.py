@@ -50,7 +50,7 @@ def open_disk_tier(config, loaded, cache, kv_pool, host_pool, clock=None) -> Dis
         memo = root / "weight-digests.json"
     except OSError:
         memo = None  # reported by TierDirectory.open below
-    fingerprint = model_fingerprint(loaded, model.dtype, shape, config.seed, memo)
+    fingerprint = model_fingerprint(loaded, model.dtype, shape, config.seed, memo, kv_pool.dtype)
     try:
         directory = TierDirectory(root, fingerprint).open()
     except TierUnavailable as exc:
@@ -72,7 +72,7 @@ def open_disk_tier(config, loaded, cache, kv_pool, host_pool, clock=None) -> Dis
             directory,
             fingerprint,
             config.block_size,
-            shape.block_bytes(model.dtype),
+            shape.block_bytes(kv_pool.dtype),
             kv_pool,
             host_pool,
             settings,

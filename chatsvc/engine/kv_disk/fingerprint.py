@@ -5,12 +5,15 @@ fingerprint covers everything that changes a block's bytes or their meaning:
 
     format version | model identity (name and shape) | weights digest
     | dtype | weight layout | kernel mode | block size | KV layout (kv_layout's dims and
-    their order)
+    their order) | KV dtype and, for int8, its scale layout
 
 The weight layout (``kernels.linear``) names how the matrices are stored and summed:
 an fp32 model reading bf16-stored weights, or another order of the same sums, writes
 other KV bits, and a hit must answer as a miss would. The kernel mode (invariant or
-not, ``kernels.invariance``) orders the attention's sums, so it does too.
+not, ``kernels.invariance``) orders the attention's sums, so it does too. The KV dtype
+(the model's, or int8 rows with their scales: ``kernels.kv_layout``) changes what a
+block's bytes mean, and an int8 block's scale layout where they lie: a bf16 engine must
+never read an int8 block as values, nor the reverse.
 
 A block written under another fingerprint is never loaded: the tier keeps each
 fingerprint's files in a directory of its own, and every file's header
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kernels.kv_layout import KVShape
+from kernels.kv_layout import SCALE_LAYOUT, KVShape, is_quantized
 
 FORMAT_VERSION = 1
 # The order of kv_layout's pool dims; a change there must change this string.
@@ -46,10 +49,16 @@ log = logging.getLogger(__name__)
 
 
 def model_fingerprint(
-    loaded, dtype: torch.dtype, kv_shape: KVShape, seed: int, memo_path: Path | None
+    loaded,
+    dtype: torch.dtype,
+    kv_shape: KVShape,
+    seed: int,
+    memo_path: Path | None,
+    kv_dtype: torch.dtype | None = None,
 ) -> bytes:
-    """16 bytes naming the model, weights, dtype, weight layout, kernel mode, block size and
-    KV layout."""
+    """16 bytes naming the model, weights, dtype, weight layout, kernel mode, block size,
+    KV layout and KV dtype (``kv_dtype`` None: ``dtype``)."""
+    kv_dtype = kv_dtype or dtype
     identity = {
         "format": FORMAT_VERSION,
         "name": loaded.name,
@@ -62,6 +71,10 @@ def model_fingerprint(
         "kv_shape": dataclasses.asdict(kv_shape),
         "kv_layout": KV_LAYOUT,
     }
+    if is_quantized(kv_dtype):
+        # Only when set, so the fingerprints of float KV (and their files) stay as they were.
+        identity["kv_dtype"] = str(kv_dtype)
+        identity["kv_scales"] = SCALE_LAYOUT
     blob = json.dumps(identity, sort_keys=True, default=str).encode()
     return xxhash.xxh3_128_digest(blob)
 
