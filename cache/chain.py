@@ -5,8 +5,9 @@
 
 Invariant: ``hashes[i] == hash_block(parent, tokens[i*bs:(i+1)*bs], namespace.key(i, bs))``
 with ``parent = hashes[i - 1]`` (``ROOT_HASH`` for block 0). ``tokens`` only
-ever grow (``extend``), so a hash once computed stays true for the life of the
-chain. Every walk over a prompt (the index match, the pending blocks, the disk
+grow (``extend``) or are cut back (``truncate``: speculative tokens rolled back), and
+a cut drops the hashes of the blocks it shortens, so a hash kept stays true for the
+life of the chain. Every walk over a prompt (the index match, the pending blocks, the disk
 tier, indexing once computed) reads the same chain, so a sequence's blocks are
 hashed once between its admission and its end, and a walk that stops early
 hashes nothing past where it stopped.
@@ -80,6 +81,13 @@ class BlockChain:
     def extend(self, token_ids: Iterable[int]) -> None:
         """Append tokens (checked); the hashes so far stay valid."""
         self.tokens.extend(checked_tokens(token_ids))
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens; hashes of blocks no longer full go."""
+        if type(num_tokens) is not int or not 0 <= num_tokens <= len(self.tokens):
+            raise ValueError(f"num_tokens must be an int in [0, {len(self.tokens)}]")
+        del self.tokens[num_tokens:]
+        del self.hashes[num_tokens // self.hasher.block_size :]
 
     def copy(self) -> BlockChain:
         """A chain sharing nothing mutable (the hashes are immutable bytes)."""

@@ -5,6 +5,7 @@ Lifecycle of a sequence::
     allocate(seq, prompt)     map the longest cached prefix, fresh blocks for the rest
     mark_computed(seq, n)     KV of tokens [0, n) is written: full blocks join the index
     append_slots(seq, toks)   room for new tokens (copy-on-write into shared blocks)
+    truncate(seq, n)          roll back appended tokens whose KV was never marked computed
     fork(seq, child)          child shares every block
     stop_indexing(seq)        what it fills from now on stays private (beams)
     free(seq)                 indexed blocks stay cached, the rest return to the pool
@@ -430,6 +431,47 @@ class KVCacheManager:
         if self.debug_checks:
             self.check_integrity()
         return AppendResult(slots, plan)
+
+    def num_blocks_to_append(self, seq_id, num_tokens: int) -> int:
+        """Device blocks ``append_slots`` of ``num_tokens`` tokens would take now (fresh
+        ones past the last block, plus a copy of a shared partial last block)."""
+        seq = self._seq(seq_id)
+        if type(num_tokens) is not int or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        bs = self.block_size
+        blocks = seq.table.block_ids
+        pos = len(seq.token_ids)
+        cow = pos % bs != 0 and self.tiers.device.refcounts[blocks[-1]] > 1
+        return (pos + num_tokens + bs - 1) // bs - len(blocks) + cow
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks on the free list: what can be taken without evicting a cached one."""
+        return self.tiers.device.num_free
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Drop the sequence's tokens from ``num_tokens`` on: tokens appended whose KV was
+        never marked computed (speculative tokens that verification rejected).
+
+        ``num_tokens`` may not cut below ``num_computed``: what is computed may be
+        indexed already. The table shrinks to ``ceil(num_tokens / block_size)``
+        blocks; those dropped were taken for the cut tokens alone (fresh, private,
+        never indexed), so they return to the free list at once.
+        """
+        seq = self._seq(seq_id)
+        if type(num_tokens) is not int or not seq.num_computed <= num_tokens <= len(seq.token_ids):
+            raise ValueError(
+                f"num_tokens must be an int in [{seq.num_computed}, {len(seq.token_ids)}] "
+                f"for {seq_id!r}, got {num_tokens!r}"
+            )
+        keep = -(-num_tokens // self.block_size)
+        blocks = seq.table.block_ids
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        seq.chain.truncate(num_tokens)
+        for block in dropped:
+            self.tiers.unref_block(block)
+        self._after_mutation()
 
     def prefill_slots(self, seq_id, num_tokens: int) -> list[int]:
         """The KV slots of the sequence's next ``num_tokens`` tokens without KV.

@@ -57,6 +57,9 @@ class SchedulerConfig:
         return self
 
 
+SPECULATIVE_MODES = ("off", "ngram", "suffix")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What to serve and how much memory and batch room to give it.
@@ -121,6 +124,10 @@ class EngineConfig:
     # After a restart, at most this many bytes of the most recently used sessions' block
     # files are read into memory while the engine is idle (kv_disk/preload.py); 0: none.
     kv_disk_preload_bytes: int = DEFAULT_KV_DISK_PRELOAD_BYTES
+    # Speculative decoding without a draft model (speculation.py): "ngram" proposes from
+    # the request's own tokens, "suffix" also from its tenant's earlier outputs, "off".
+    speculative: str = "off"
+    speculative_max_k: int = 4  # proposals verified per step at most (adaptive below it)
     # Seconds the warm-up before serving may take (engine/warmup.py); 0: none.
     warm_up_s: float = 30.0
     data_dir: str | None = None
@@ -174,6 +181,12 @@ class EngineConfig:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
             )
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}"
+            )
+        if not 1 <= self.speculative_max_k <= 16:
+            raise ValueError(f"speculative_max_k must be 1..16, got {self.speculative_max_k}")
         if not 0 <= self.warm_up_s <= 3600:
             raise ValueError(f"warm_up_s must be 0..3600 seconds, got {self.warm_up_s}")
         return self

@@ -13,6 +13,10 @@ Beam search (``beam_width`` >= 2): the request's rows go to its ``BeamSearch``
 fork, take over or drop sequences on the block table, and when it ends the ``n``
 best hypotheses come back as one delta each (nothing is streamed before).
 
+Speculative decoding (``speculative/``, off unless configured): a decode may carry
+proposals; ``_verify`` keeps those the request's own picks confirm (greedy: the tokens
+it produces without speculation) and the scheduler rolls the cache back to them.
+
 Failure isolation: a failure that belongs to one request (non-finite logits in
 its row, its sampling, its stop handling or detokenization, a forward pass that
 fails with it alone) ends that request with EngineInternalError and frees its
@@ -52,6 +56,8 @@ from chatsvc.engine.sampling_defaults import read_sampling_defaults
 from chatsvc.engine.scheduler import Scheduler
 from chatsvc.engine.scheduler_output import ScheduledSequence
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.engine.speculative import Speculator
+from chatsvc.engine.speculative.verify import verify_draft
 from chatsvc.engine.step_io import NoStepIO, StepIO
 from chatsvc.engine.threads import governor_for, set_torch_threads
 from chatsvc.engine.warmup import WarmedShape, run_warm_up, warm_up_shapes
@@ -155,6 +161,12 @@ class LLMEngine:
             debug_checks=config.debug_checks,
         )
         self.scheduler = Scheduler(self.cache, config.scheduler)
+        self.speculator = None
+        if config.speculative != "off":
+            self.speculator = Speculator(
+                config.speculative, config.speculative_max_k, self.max_context_len
+            )
+            self.scheduler.speculator = self.speculator
         self.runner = ModelRunner(
             self.model, config.block_size, self.num_gpu_blocks, self.num_host_blocks, self.kv_dtype
         )
@@ -334,14 +346,14 @@ class LLMEngine:
             if items:
                 self.scheduler.update_from_step(items)
                 completing, logits = self.runner.completing_rows(items, logits)
-        # Write-through: the blocks the step indexed, before a later plan can reuse
-        # them. Not after an exception: the engine's state is then in doubt and nothing
-        # of it may reach the disk.
+        if completing:
+            outputs.extend(self._sample_and_stop(completing, logits))
+        # Write-through: the blocks the step indexed (a verified speculative run's too),
+        # before a later plan can reuse them. Not after an exception: the engine's state
+        # is then in doubt and nothing of it may reach the disk.
         io.store(self.cache.take_stores())
         if not out.scheduled and self.scheduler.loading:
             io.wait(IDLE_WAIT_S)  # nothing to compute until a load lands
-        if completing:
-            outputs.extend(self._sample_and_stop([s.seq for s in completing], logits))
         self.forget_late()
         return outputs
 
@@ -394,15 +406,29 @@ class LLMEngine:
         for index, error in failures.items():
             request_id = items[index].seq.request.request_id
             outputs.extend(self._fail_internal(request_id, "prompt logprobs", error))
-        kept = [i for i, item in enumerate(items) if item.seq.request.request_id in self._requests]
-        rows = torch.tensor(kept, dtype=torch.long, device=logits.device)
-        return [items[i] for i in kept], logits.index_select(0, rows)
+        kept, rows, offset = [], [], 0
+        for item in items:  # item.num_rows rows each now
+            if item.seq.request.request_id in self._requests:
+                kept.append(item)
+                rows.extend(range(offset, offset + item.num_rows))
+            offset += item.num_rows
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        return kept, logits.index_select(0, index)
 
-    def _sample_and_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+    def _sample_and_stop(
+        self, items: list[ScheduledSequence], logits: torch.Tensor
+    ) -> list[StepOutput]:
         rows: list[int] = []
         targets: list[Sequence] = []
         beam_rows: dict[str, dict[Sequence, int]] = {}
-        for row, seq in enumerate(seqs):
+        speculative: list[tuple[ScheduledSequence, int]] = []
+        offset = 0
+        for item in items:
+            seq, row = item.seq, offset
+            offset += item.num_rows
+            if item.draft:
+                speculative.append((item, row))
+                continue
             if seq.beams is not None:
                 beam_rows.setdefault(seq.request.request_id, {})[seq] = row
                 continue
@@ -417,6 +443,8 @@ class LLMEngine:
         outputs = []
         for request_id, rows_of in beam_rows.items():
             outputs.extend(self._beam_step(request_id, rows_of, logits, now))
+        for item, first in speculative:
+            outputs.extend(self._verify(item, logits[first : first + item.num_rows], now))
         if not targets:
             return outputs
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
@@ -542,6 +570,58 @@ class LLMEngine:
             outputs.append(StepOutput(state.request.request_id, delta))
         return outputs
 
+    def _verify(self, item: ScheduledSequence, rows: torch.Tensor, now: float) -> list[StepOutput]:
+        """Verify a speculative decode (``speculative/verify.py``), append the tokens it
+        keeps with every stop check a decode makes, roll the cache back to them, and
+        return one delta for them all. A failure here is the request's own."""
+        seq = item.seq
+        request_id = seq.request.request_id
+        if request_id not in self._requests:
+            return []  # failed by another of its samples in this step
+        params = seq.sampling
+        tokens: list[int] = []
+        scores: list[TokenLogprob] = []
+        text: list[str] = []
+        reason: list[FinishReason] = []
+
+        def pick(row: torch.Tensor) -> int:
+            result = sample_rows(row[None], [params], [seq.generator], [seq.logits_state])[0]
+            if isinstance(result, SamplingError):
+                raise result
+            if params.logprobs is not None:
+                scores.extend(token_logprobs(row[None], [result], params.logprobs))
+            return result
+
+        def emit(token: int) -> bool:
+            seq.append_token(token, now)
+            tokens.append(token)
+            stop, released = self._stop_check(seq, token)
+            text.append(released)
+            if stop is not None:
+                reason.append(stop)
+            return stop is not None
+
+        try:
+            accepted = verify_draft(rows, item.draft, pick, emit)
+        except Exception as error:  # noqa: BLE001 - this request's own verification
+            return self._fail_internal(request_id, "speculative verification", error)
+        self.speculator.record(seq, len(item.draft), accepted)
+        self.scheduler.settle_speculation(seq)
+        metrics = None
+        if reason:
+            self.scheduler.remove(seq)
+            self._finish(seq, reason[0])
+            metrics = self._metrics(seq, now)
+        delta = GenerationDelta(
+            seq.sample_index,
+            tokens,
+            "".join(text),
+            reason[0] if reason else None,
+            metrics,
+            logprobs=tuple(scores) if params.logprobs is not None else None,
+        )
+        return [StepOutput(request_id, delta)]
+
     def _append_token(
         self, seq: Sequence, token: int, now: float, score: TokenLogprob | None = None
     ) -> list[StepOutput]:
@@ -591,6 +671,8 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.forgotten.finished(seq)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
         state = self._requests.get(seq.request.request_id)
         if state is None:
             return

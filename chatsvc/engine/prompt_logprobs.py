@@ -51,17 +51,19 @@ def _scored_from(item: ScheduledSequence) -> int | None:
 
 def num_logit_rows(item: ScheduledSequence) -> int:
     """Logits rows this step's ``item`` needs: its trailing positions from ``lo`` (see the
-    module doc), or 1 (its last token only)."""
+    module doc), or ``item.num_rows`` (its last token's; a speculative decode's
+    proposals' too: such a sequence never asks for prompt logprobs)."""
     lo = _scored_from(item)
-    return 1 if lo is None else item.start + item.num_new_tokens - lo
+    return item.num_rows if lo is None else item.start + item.num_new_tokens - lo
 
 
 def take_prompt_logprobs(
     items: Items[ScheduledSequence], logits: torch.Tensor
 ) -> tuple[torch.Tensor, dict[int, Exception]]:
     """Record the prompt logprobs held in ``logits`` (``num_logit_rows(item)`` rows per
-    item, in item order); returns each item's last row ``[len(items), V]`` and the
-    error of each item (by index) whose rows could not be scored.
+    item, in item order); returns each item's last row (a speculative decode's
+    ``num_rows`` rows) and the error of each item (by index) whose rows could not be
+    scored.
     """
     counts = [num_logit_rows(item) for item in items]
     if sum(counts) != logits.shape[0]:
@@ -80,8 +82,10 @@ def take_prompt_logprobs(
                 _record(item, logits[offset : offset + count])
             except (ValueError, RuntimeError) as error:
                 failures[index] = error
+            last_rows.append(offset + count - 1)
+        else:
+            last_rows.extend(range(offset, offset + count))
         offset += count
-        last_rows.append(offset - 1)
     rows = torch.tensor(last_rows, dtype=torch.long, device=logits.device)
     return logits.index_select(0, rows), failures
 

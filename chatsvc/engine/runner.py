@@ -89,7 +89,7 @@ class ModelRunner:
         for item in items:
             seq = item.seq
             token_ids.append(
-                [seq.token_at(p) for p in range(item.start, item.start + item.num_new_tokens)]
+                [item.token_at(p) for p in range(item.start, item.start + item.num_new_tokens)]
             )
             num_computed.append(item.start)
             slots.append(item.slots)
@@ -128,15 +128,23 @@ class ModelRunner:
     ) -> tuple[list[ScheduledSequence], torch.Tensor | None]:
         """The items whose every token now has KV, and their logits rows.
 
-        ``logits`` row i belongs to ``items[i]``; the rows of intermediate prefill
-        chunks are dropped (nothing to sample there).
+        ``logits`` holds ``item.num_rows`` rows per item, in item order (one unless the
+        item is a speculative decode); the rows of intermediate prefill chunks are
+        dropped (nothing to sample there).
         """
-        rows = [i for i, item in enumerate(items) if item.completes]
-        if not rows:
+        rows: list[int] = []
+        kept: list[ScheduledSequence] = []
+        offset = 0
+        for item in items:
+            if item.completes:
+                kept.append(item)
+                rows.extend(range(offset, offset + item.num_rows))
+            offset += item.num_rows
+        if not kept:
             return [], None
-        if len(rows) < len(items):
+        if len(rows) < logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        return [items[i] for i in rows], logits
+        return kept, logits
 
 
 def _pairs(pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:

@@ -86,6 +86,7 @@ from chatsvc.engine.fairness import FairQueue, StepShares, slots_of, tenant_of
 from chatsvc.engine.prompt_logprobs import wants_prompt_logits
 from chatsvc.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from chatsvc.engine.sequence import Sequence, SequenceStatus
+from chatsvc.engine.speculative import Speculator
 from chatsvc.engine.step_io import FinishedLoad, SequenceLoads
 from chatsvc.protocol import RequestTooLargeError
 
@@ -114,6 +115,8 @@ class Scheduler:
         self._computed = True  # the last step computed something
         self.num_preemptions = 0
         self.num_deferrals = 0
+        # Proposes speculative tokens for decodes (chatsvc.engine.speculative); None: off.
+        self.speculator: Speculator | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING)."""
@@ -136,9 +139,25 @@ class Scheduler:
         blocks are never marked computed.
         """
         for item in computed:
+            if item.draft:
+                continue  # unverified: ``settle_speculation`` once verified
             done = item.start + item.num_new_tokens
             self.cache.mark_computed(item.seq.seq_id, done)
             item.seq.num_computed_tokens = done
+
+    def settle_speculation(self, seq: Sequence) -> None:
+        """Verification of ``seq``'s speculative decode appended its verified tokens: the
+        cache rolls back to them and marks them computed (module doc of
+        ``chatsvc.engine.speculative``).
+
+        The KV of every token but the newest is verified (the newest has none yet,
+        as after any decode); the rejected proposals' tokens go from the cache's
+        table, and the blocks taken for them alone return to the free list.
+        """
+        done = seq.num_tokens - 1
+        self.cache.truncate(seq.seq_id, done)
+        self.cache.mark_computed(seq.seq_id, done)
+        seq.num_computed_tokens = done
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and free its blocks (finish or abort)."""
@@ -189,11 +208,17 @@ class Scheduler:
         # Longest unscheduled first: when a tenant's share leaves some of its decodes
         # out of a step, the ones left out go first in the next (stable: otherwise
         # the running order).
-        for seq in sorted(self.running, key=lambda s: s.last_scheduled_step):
+        decodes = sorted(
+            (s for s in self.running if s.status is SequenceStatus.RUNNING and s.is_decode),
+            key=lambda s: s.last_scheduled_step,
+        )
+        num_left = len(decodes)  # decodes not yet given their token
+        for seq in decodes:
+            num_left -= 1
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or not seq.is_decode:
-                continue
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an earlier decode of this step
             if seq.seq_id in scheduled_ids:
                 continue  # a beam, scheduled with the others of its search
             if seq.beams is not None:
@@ -203,12 +228,16 @@ class Scheduler:
                 continue
             if shares.fit(seq, 1) < 1:
                 continue
-            slots = self._append_decode_slot(seq, scheduled_ids, out)
+            # Speculation spends only what every later decode leaves over.
+            spare = min(budget - 1 - num_left, shares.fit(seq, budget) - 1)
+            draft = self._draft(seq, spare, len(decodes))
+            slots = self._append_decode_slot(seq, scheduled_ids, out, draft, num_left)
             if slots is None:
                 continue
-            self._schedule(seq, 1, slots, out, shares)
+            draft = tuple(draft[: len(slots) - 1])
+            self._schedule(seq, len(slots), slots, out, shares, draft)
             scheduled_ids.add(seq.seq_id)
-            budget -= 1
+            budget -= len(slots)
 
         for seq in list(self.running):
             if budget == 0:
@@ -231,9 +260,15 @@ class Scheduler:
         return out
 
     def _schedule(
-        self, seq: Sequence, chunk: int, slots: list[int], out: SchedulerOutput, shares: StepShares
+        self,
+        seq: Sequence,
+        chunk: int,
+        slots: list[int],
+        out: SchedulerOutput,
+        shares: StepShares,
+        draft: tuple[int, ...] = (),
     ) -> None:
-        out.scheduled.append(ScheduledSequence(seq, chunk, slots))
+        out.scheduled.append(ScheduledSequence(seq, chunk, slots, draft))
         self._landed.discard(seq.seq_id)
         shares.spend(seq, chunk)
         seq.last_scheduled_step = self.num_steps
@@ -278,12 +313,43 @@ class Scheduler:
         self.num_steps += 1
         return True
 
+    def _draft(self, seq: Sequence, spare: int, num_decoding: int) -> list[int]:
+        """Proposals for ``seq``'s decode (none without a speculator or spare budget)."""
+        if self.speculator is None or spare < 1:
+            return []
+        return self.speculator.draft(seq, spare, num_decoding)
+
+    def _fit_draft(self, seq: Sequence, draft: list[int], num_left: int) -> list[int]:
+        """``draft`` cut to the blocks speculation may take: free ones (never an eviction
+        of a cached block) beyond those the step's later decodes may need, and none
+        while sequences wait (admission needs them); room in the blocks the decode
+        takes anyway is always there."""
+        if not draft:
+            return draft
+        cache = self.cache
+        base = cache.num_blocks_to_append(seq.seq_id, 1)
+        spare_blocks = 0 if self.waiting else cache.num_free_blocks - base - num_left
+        while draft and (
+            cache.num_blocks_to_append(seq.seq_id, 1 + len(draft)) - base > max(0, spare_blocks)
+        ):
+            draft = draft[:-1]
+        return draft
+
     def _append_decode_slot(
-        self, seq: Sequence, scheduled_ids: set[int], out: SchedulerOutput
+        self,
+        seq: Sequence,
+        scheduled_ids: set[int],
+        out: SchedulerOutput,
+        draft: list[int] = (),
+        num_left: int = 0,
     ) -> list[int] | None:
+        """Slots for the sequence's newest token (and the proposals ``draft`` that fit:
+        ``len(slots) - 1`` of them), preempting others when the pool is out of blocks;
+        None when the sequence itself was preempted."""
+        draft = self._fit_draft(seq, list(draft), num_left)
         while True:
             try:
-                result = self.cache.append_slots(seq.seq_id, [seq.output_token_ids[-1]])
+                result = self.cache.append_slots(seq.seq_id, [seq.output_token_ids[-1], *draft])
             except OutOfBlocksError:
                 victim = self._pick_victim(scheduled_ids)
                 if victim is None:

@@ -20,17 +20,34 @@ class ScheduledSequence:
 
     ``completes``: after this step every token has KV, so the last token's logits
     give the next token (false for intermediate prefill chunks: no sampling).
+
+    ``draft``: a speculative decode (``chatsvc.engine.speculative``): the newest token
+    and these proposals, which are not the sequence's tokens (yet), are the step's
+    ``1 + len(draft)`` new tokens, and each has a logits row (``num_rows``).
     """
 
     seq: Sequence
     num_new_tokens: int
     slots: list[int]
+    draft: tuple[int, ...] = ()
     start: int = 0
     completes: bool = False
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
-        self.completes = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.completes = self.start + self.num_new_tokens == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows the item keeps for sampling: its last token's, and one per proposal."""
+        return 1 + len(self.draft)
+
+    def token_at(self, position: int) -> int:
+        """The token at ``position``: the sequence's, or a proposal past its end."""
+        seq = self.seq
+        if position < seq.num_tokens:
+            return seq.token_at(position)
+        return self.draft[position - seq.num_tokens]
 
 
 @dataclass

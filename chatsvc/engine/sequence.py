@@ -89,6 +89,9 @@ class Sequence:
     block_chain: BlockChain | None = None
     # The beam search this sequence is a beam of (None: a sampled or greedy sample).
     beams: Beams | None = None
+    # Its speculative decoding state (``speculative.proposer.SequenceSpeculation``), made
+    # by the Speculator at its first decode; None: not speculating (yet).
+    speculation: object | None = None
 
     @property
     def sampling(self) -> SamplingParams:

@@ -23,7 +23,7 @@ def scored_sequence(prompt: list[int]) -> SimpleNamespace:
 
 
 def chunk(seq, start: int, num_new_tokens: int) -> SimpleNamespace:
-    return SimpleNamespace(seq=seq, start=start, num_new_tokens=num_new_tokens)
+    return SimpleNamespace(seq=seq, start=start, num_new_tokens=num_new_tokens, num_rows=1)
 
 
 def test_a_chunk_of_one_prompt_token_is_scored_and_the_next_chunk_follows_it():
@@ -55,7 +55,9 @@ def test_a_chunk_of_one_prompt_token_is_scored_and_the_next_chunk_follows_it():
 def test_a_batch_mixing_a_one_row_scored_chunk_and_plain_items_keeps_each_last_row():
     prompt = [1, 2, 3]
     seq = scored_sequence(prompt)
-    plain = SimpleNamespace(seq=SimpleNamespace(prompt_logprobs=None), start=4, num_new_tokens=1)
+    plain = SimpleNamespace(
+        seq=SimpleNamespace(prompt_logprobs=None), start=4, num_new_tokens=1, num_rows=1
+    )
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
     last, failures = take_prompt_logprobs([plain, chunk(seq, 0, 1)], logits)
     assert failures == {} and torch.equal(last, logits)
