@@ -15,6 +15,9 @@ than incremented here:
     chatsvc_kv_disk_preload_blocks_total{outcome}
         the preload after a restart: blocks read into memory, used by loads, dropped
         unused (their loads count among the disk tier's loads too)
+    chatsvc_speculative_tokens_total{outcome}
+        speculative decoding's proposed tokens and those verification accepted
+        (only where ``CHATSVC_SPECULATIVE`` is on)
 """
 
 from __future__ import annotations
@@ -93,8 +96,16 @@ class TierTrafficCollector:
             latency.add_metric(["disk"], list(hist["buckets"].items()), hist["sum"])
             used.add_metric([], disk["used_bytes"])
             budget.add_metric([], disk["budget_bytes"])
+        speculative = CounterMetricFamily(
+            "chatsvc_speculative_tokens",
+            "Tokens speculative decoding proposed, and those verification accepted",
+            labels=["outcome"],
+        )
+        if "speculative" in stats:
+            for outcome in ("proposed", "accepted"):
+                speculative.add_metric([outcome], stats["speculative"][f"{outcome}_tokens"])
         if "preload" in disk:
             for outcome in ("read", "used", "dropped"):
                 preload.add_metric([outcome], disk["preload"][f"{outcome}_blocks"])
         traffic = [loads_blocks, loads_bytes, stores_blocks, stores_bytes, dropped]
-        return [*traffic, latency, used, budget, preload]
+        return [*traffic, latency, used, budget, preload, speculative]

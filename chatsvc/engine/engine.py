@@ -764,6 +764,8 @@ class LLMEngine:
         )
         if self.disk_tier is not None:
             snapshot["disk"].update(self.disk_tier.stats_snapshot())
+        if self.speculator is not None:
+            snapshot["speculative"] = self.speculator.stats()
         return snapshot
 
     def forget_session(

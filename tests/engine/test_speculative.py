@@ -9,6 +9,7 @@ from cache import Namespace
 from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine
 from chatsvc.engine.loader import load_model
+from chatsvc.kv_metrics import TierTrafficCollector
 from chatsvc.protocol import EngineInternalError, GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -78,12 +79,25 @@ def greedy_on_and_off(loaded, dtype: str, modes) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0)
     reference = make_engine(loaded, "off", dtype)
     expected = run(reference, chats(reference, params))
+    assert "speculative" not in reference.cache_stats()
     for mode in modes:
         engine = make_engine(loaded, mode, dtype)
         assert run(engine, chats(engine, params)) == expected, mode
         stats = engine.speculator.stats()
         # The rewrite turns do speculate, and most of what they propose is kept.
         assert stats["accepted_tokens"] > 10 and stats["acceptance_rate"] > 0.3, stats
+        # The operator sees the same counts: /admin/cache and /metrics.
+        assert engine.cache_stats()["speculative"] == stats
+        exported = {
+            sample.labels["outcome"]: sample.value
+            for family in TierTrafficCollector(engine.cache_stats).collect()
+            if family.name == "chatsvc_speculative_tokens"
+            for sample in family.samples
+        }
+        assert exported == {
+            "proposed": stats["proposed_tokens"],
+            "accepted": stats["accepted_tokens"],
+        }
         # The same blocks indexed as without speculation: only verified ones.
         assert indexed(engine) == indexed(reference), mode
 
