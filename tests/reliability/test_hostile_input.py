@@ -310,20 +310,23 @@ def test_concurrent_streams_per_tenant_limit_is_429(strict_server, raw_redis):
     # byte stream mid-body closes the connection: the server sees a disconnect,
     # aborts that generation and frees its slot (as it must), so the third
     # request used to find the tenant's counter at zero.
+    # The two generations hold their slots through the refusal: 200 tokens whatever
+    # the model would answer (a native turn may end after a few tokens, and its commit
+    # then lands in the keyspace the refusal is checked against). They are OpenAI
+    # streams, which store nothing: the limit is the tenant's, whatever the endpoint.
     tenant = strict_server.services.tenants.tenant_for_key(GLOBEX_KEY)
     lines = []
     with client(strict_server, GLOBEX_KEY) as http, contextlib.ExitStack() as streams:
         for _ in range(2):
-            sid = new_session(http)["id"]
             body = {
-                "content": unique("List the numbers from 1 to 400, one per line."),
+                "model": _model(http),
+                "messages": [{"role": "user", "content": unique("Count to 400.")}],
                 "stream": True,
-                "max_tokens": 500,
+                "max_tokens": 200,
+                "ignore_eos": True,
                 "temperature": 0,
             }
-            response = streams.enter_context(
-                http.stream("POST", f"/sessions/{sid}/messages", json=body)
-            )
+            response = streams.enter_context(http.stream("POST", "/v1/chat/completions", json=body))
             assert response.status_code == 200
             lines.append(response.iter_lines())
             next(lines[-1])  # the generation is running
@@ -337,10 +340,11 @@ def test_concurrent_streams_per_tenant_limit_is_429(strict_server, raw_redis):
             "rate_limit_error",
         )
         assert "generations" in body["error"]["message"]
-        # Both generations were still running when the third was refused.
+        assert strict_server.services.streams.active(tenant.id) == 2
+        # Both generations ran on to their end.
         for stream_lines in lines:
             tail = list(stream_lines)
-            assert any(line == "event: done" for line in tail), tail[-3:]
+            assert "data: [DONE]" in tail, tail[-3:]
     assert strict_server.services.streams.active(tenant.id) == 0
 
 
