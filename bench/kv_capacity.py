@@ -20,14 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from bench.kv_disk.common import (
-    add_common_args,
-    engine_config,
-    new_conversations,
-    question,
-    started,
-)
-from bench.kv_disk.working_set import one_run
+from bench.kv_disk.common import add_common_args
+from bench.kv_disk.working_set import one_run, session_size
 
 BLOCK = 16
 
@@ -47,14 +41,7 @@ def summary(kv_dtype: str, run: dict, pool_bytes: int, tokens_per_session: int) 
 
 
 async def main_async(args) -> None:
-    probe = await started(engine_config(args, num_gpu_blocks=64, kv_disk_bytes=0))
-    convs = new_conversations(probe, 1, args.system_repeat)
-    system_len = len(convs[0].history)
-    fmt = probe.chat_format
-    per_turn = len(fmt.tokenize(question(0, 0, args.question_words))) + 12 + args.max_tokens
-    block_bytes = probe.cache_stats()["block_bytes"]  # the model dtype's
-    await probe.stop()
-    tokens_per_session = system_len + args.turns * per_turn
+    tokens_per_session, block_bytes = await session_size(args)  # block: the model dtype's
     total_blocks = args.sessions * tokens_per_session // BLOCK
     pool_bytes = int(total_blocks * args.pool_fraction) * block_bytes
     print(

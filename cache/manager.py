@@ -432,18 +432,6 @@ class KVCacheManager:
             self.check_integrity()
         return AppendResult(slots, plan)
 
-    def num_blocks_to_append(self, seq_id, num_tokens: int) -> int:
-        """Device blocks ``append_slots`` of ``num_tokens`` tokens would take now (fresh
-        ones past the last block, plus a copy of a shared partial last block)."""
-        seq = self._seq(seq_id)
-        if type(num_tokens) is not int or num_tokens < 1:
-            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
-        bs = self.block_size
-        blocks = seq.table.block_ids
-        pos = len(seq.token_ids)
-        cow = pos % bs != 0 and self.tiers.device.refcounts[blocks[-1]] > 1
-        return (pos + num_tokens + bs - 1) // bs - len(blocks) + cow
-
     @property
     def num_free_blocks(self) -> int:
         """Device blocks on the free list: what can be taken without evicting a cached one."""
@@ -511,29 +499,31 @@ class KVCacheManager:
                 self._matcher.index_computed(seq, num_full)
         self._after_mutation()
 
-    def num_append_blocks(self, seq_ids) -> int:
-        """Device blocks ``append_slots`` of one token to each of ``seq_ids`` in turn would
-        take now (distinct ids); changes nothing.
+    def num_append_blocks(self, seq_ids, num_tokens: int = 1) -> int:
+        """Device blocks ``append_slots`` of ``num_tokens`` tokens to each of ``seq_ids`` in
+        turn would take now (distinct ids); changes nothing.
 
-        A fresh block where a sequence's last block is full; a copy where it is partial
-        and shared. Sharers of one partial block copy it one after another, and when
-        every holder is among ``seq_ids`` the last one finds it alone and writes in
+        Fresh blocks past each sequence's last one; a copy where its last block is
+        partial and shared. Sharers of one partial block copy it one after another, and
+        when every holder is among ``seq_ids`` the last one finds it alone and writes in
         place (the beams of a request, forked from one parent: W sharers, W - 1 copies).
-        So ``can_allocate(num_append_blocks(ids))`` is exactly whether those appends fit.
+        So ``can_allocate(num_append_blocks(ids, n))`` is exactly whether those appends
+        fit (beams: one token each; a speculative decode: one sequence, its proposals).
         """
         seq_ids = list(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("num_append_blocks takes distinct sequence ids")
+        if type(num_tokens) is not int or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
         bs = self.block_size
         sharers: dict[int, int] = {}
         needed = 0
         for seq_id in seq_ids:
             seq = self._seq(seq_id)
-            if len(seq.token_ids) % bs == 0:
-                needed += 1
-            else:
-                last = seq.table.block_ids[-1]
-                sharers[last] = sharers.get(last, 0) + 1
+            blocks = seq.table.block_ids
+            needed += (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(blocks)
+            if len(seq.token_ids) % bs != 0:
+                sharers[blocks[-1]] = sharers.get(blocks[-1], 0) + 1
         refcounts = self.tiers.device.refcounts
         for block, count in sharers.items():
             needed += count - 1 if refcounts[block] == count else count

@@ -114,15 +114,22 @@ def report(name: str, run: dict, turns: int) -> None:
         )
 
 
-async def main_async(args) -> None:
-    # Size the pool from the sessions' final KV: prompt + answers of every turn.
+async def session_size(args) -> tuple[int, int]:
+    """(tokens a session ends with: prompt + answers of every turn, bytes of one KV block
+    in the model's dtype), from a small engine started for it."""
     probe = await started(engine_config(args, num_gpu_blocks=64, kv_disk_bytes=0))
     convs = new_conversations(probe, 1, args.system_repeat)
     system_len = len(convs[0].history)
     fmt = probe.chat_format
     per_turn = len(fmt.tokenize(question(0, 0, args.question_words))) + 12 + args.max_tokens
+    block_bytes = probe.cache_stats()["block_bytes"]
     await probe.stop()
-    tokens_per_session = system_len + args.turns * per_turn
+    return system_len + args.turns * per_turn, block_bytes
+
+
+async def main_async(args) -> None:
+    # Size the pool from the sessions' final KV.
+    tokens_per_session, _ = await session_size(args)
     total_blocks = args.sessions * tokens_per_session // 16
     small = max(int(total_blocks * args.pool_fraction), 2 * tokens_per_session // 16 + 8)
     large = total_blocks + 2 * args.sessions + 64

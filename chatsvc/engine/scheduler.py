@@ -327,10 +327,10 @@ class Scheduler:
         if not draft:
             return draft
         cache = self.cache
-        base = cache.num_blocks_to_append(seq.seq_id, 1)
+        base = cache.num_append_blocks([seq.seq_id])
         spare_blocks = 0 if self.waiting else cache.num_free_blocks - base - num_left
         while draft and (
-            cache.num_blocks_to_append(seq.seq_id, 1 + len(draft)) - base > max(0, spare_blocks)
+            cache.num_append_blocks([seq.seq_id], 1 + len(draft)) - base > max(0, spare_blocks)
         ):
             draft = draft[:-1]
         return draft

@@ -71,11 +71,11 @@ def test_a_shared_partial_block_copied_for_proposals_does_not_leak():
     assert not any(mgr.tiers.device.refcounts)  # integrity checks ran after every call
 
 
-def test_num_blocks_to_append_counts_fresh_blocks_and_the_copy():
+def test_num_append_blocks_counts_fresh_blocks_and_the_copy():
     mgr = make()
     decoded(mgr, "p", [1, 2, 3, 4, 5, 6])
-    assert mgr.num_blocks_to_append("p", 2) == 0
-    assert mgr.num_blocks_to_append("p", 3) == 1
+    assert mgr.num_append_blocks(["p"], 2) == 0
+    assert mgr.num_append_blocks(["p"], 3) == 1
     mgr.fork("p", "c")
-    assert mgr.num_blocks_to_append("c", 1) == 1  # the copy of the shared partial block
-    assert mgr.num_blocks_to_append("c", 7) == 3
+    assert mgr.num_append_blocks(["c"], 1) == 1  # the copy of the shared partial block
+    assert mgr.num_append_blocks(["c"], 7) == 3

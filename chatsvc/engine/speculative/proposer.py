@@ -60,8 +60,6 @@ class AdaptiveK:
     misses: int = 0
     cooldown: int = 0  # steps left without proposals
     backoff: int = 1  # the next cooldown's length
-    num_proposed: int = 0
-    num_accepted: int = 0
 
     def __post_init__(self) -> None:
         self.k = self.k or self.max_k
@@ -76,8 +74,6 @@ class AdaptiveK:
     def record(self, proposed: int, accepted: int, needed: float = 0.0) -> None:
         """A verification kept ``accepted`` of ``proposed``; fewer than ``needed`` of them
         (a share) or none is a miss."""
-        self.num_proposed += proposed
-        self.num_accepted += accepted
         self.k = max(1, min(self.max_k, accepted + 1))
         if accepted and accepted >= needed * proposed:
             self.misses = 0

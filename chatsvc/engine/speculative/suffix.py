@@ -48,9 +48,8 @@ class TenantOutputs:
         self._docs[(tenant, doc)] = tokens
         self.num_tokens += len(tokens)
         grams = self._grams.setdefault(tenant, {})
-        for e in range(len(tokens) - 1):  # an n-gram ending at the last token proposes nothing
-            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
-                grams[tuple(tokens[e + 1 - n : e + 1])] = (doc, e + 1)
+        for key, after in self._grams_of(tokens):
+            grams[key] = (doc, after)
         while self.num_tokens > self.max_tokens:
             self._evict_oldest()
 
@@ -73,11 +72,16 @@ class TenantOutputs:
         (tenant, doc), tokens = self._docs.popitem(last=False)
         self.num_tokens -= len(tokens)
         grams = self._grams[tenant]
-        for e in range(len(tokens) - 1):
-            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
-                key = tuple(tokens[e + 1 - n : e + 1])
-                hit = grams.get(key)
-                if hit is not None and hit[0] == doc:
-                    del grams[key]
+        for key, _ in self._grams_of(tokens):
+            hit = grams.get(key)
+            if hit is not None and hit[0] == doc:
+                del grams[key]
         if not grams:
             del self._grams[tenant]
+
+    def _grams_of(self, tokens: list[int]):
+        """(n-gram, the position right after it) for every n-gram of a document, in
+        order; none ends at the last token (it would propose nothing)."""
+        for e in range(len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                yield tuple(tokens[e + 1 - n : e + 1]), e + 1
