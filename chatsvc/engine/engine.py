@@ -54,7 +54,7 @@ from chatsvc.engine.runner import ModelRunner
 from chatsvc.engine.sampling import SamplingError, make_generator, sample_rows
 from chatsvc.engine.sampling_defaults import read_sampling_defaults
 from chatsvc.engine.scheduler import Scheduler
-from chatsvc.engine.scheduler_output import ScheduledSequence
+from chatsvc.engine.scheduler_output import ScheduledSequence, keep_rows
 from chatsvc.engine.sequence import Sequence, SequenceStatus
 from chatsvc.engine.speculative import Speculator
 from chatsvc.engine.speculative.verify import verify_draft
@@ -406,14 +406,7 @@ class LLMEngine:
         for index, error in failures.items():
             request_id = items[index].seq.request.request_id
             outputs.extend(self._fail_internal(request_id, "prompt logprobs", error))
-        kept, rows, offset = [], [], 0
-        for item in items:  # item.num_rows rows each now
-            if item.seq.request.request_id in self._requests:
-                kept.append(item)
-                rows.extend(range(offset, offset + item.num_rows))
-            offset += item.num_rows
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        return kept, logits.index_select(0, index)
+        return keep_rows(items, logits, lambda item: item.seq.request.request_id in self._requests)
 
     def _sample_and_stop(
         self, items: list[ScheduledSequence], logits: torch.Tensor

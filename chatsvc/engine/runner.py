@@ -24,7 +24,7 @@ from cache import CachePlan, KVCacheManager
 from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.llama import LlamaModel
 from chatsvc.engine.prompt_logprobs import num_logit_rows
-from chatsvc.engine.scheduler_output import ScheduledSequence
+from chatsvc.engine.scheduler_output import ScheduledSequence, keep_rows
 from chatsvc.engine.step_io import StepIO
 from chatsvc.engine.swap_stream import SwapStream
 from kernels import copy_blocks
@@ -132,19 +132,8 @@ class ModelRunner:
         item is a speculative decode); the rows of intermediate prefill chunks are
         dropped (nothing to sample there).
         """
-        rows: list[int] = []
-        kept: list[ScheduledSequence] = []
-        offset = 0
-        for item in items:
-            if item.completes:
-                kept.append(item)
-                rows.extend(range(offset, offset + item.num_rows))
-            offset += item.num_rows
-        if not kept:
-            return [], None
-        if len(rows) < logits.shape[0]:
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        return kept, logits
+        kept, logits = keep_rows(items, logits, lambda item: item.completes)
+        return (kept, logits) if kept else ([], None)
 
 
 def _pairs(pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:

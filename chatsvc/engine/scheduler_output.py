@@ -7,7 +7,10 @@ sequences must skip the prefix cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from cache import CachePlan
 from chatsvc.engine.sequence import Sequence
@@ -63,3 +66,23 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def keep_rows(
+    items: list[ScheduledSequence],
+    logits: torch.Tensor,
+    keep: Callable[[ScheduledSequence], bool],
+) -> tuple[list[ScheduledSequence], torch.Tensor]:
+    """The items ``keep`` holds and their rows of ``logits``, which has ``item.num_rows``
+    rows per item in item order (one unless the item is a speculative decode)."""
+    kept: list[ScheduledSequence] = []
+    rows: list[int] = []
+    offset = 0
+    for item in items:
+        if keep(item):
+            kept.append(item)
+            rows.extend(range(offset, offset + item.num_rows))
+        offset += item.num_rows
+    if len(rows) < logits.shape[0]:
+        logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+    return kept, logits
