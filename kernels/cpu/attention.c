@@ -45,6 +45,7 @@
  *                                                        attention_portable.c
  *                                                        elsewhere)
  *   dot pairs        bf16 on AVX512-BF16                 attention_bf16.c
+ *   byte dots        int8 caches, bf16 queries, VNNI     attention_int8.c
  *   tile unit        bf16 runs of several tokens, AMX    attention_amx.c
  *
  * Items run in parallel on the caller's OpenMP team (torch's own libgomp,
@@ -66,15 +67,17 @@ enum { MIN_SLICE_BLOCKS = 16 };
 
 /* The path of one item. Bf16 items (bf16 caches) with a head size the dot pairs take go
  * to the tile unit where the thread set it up (`amx`) and each KV head has enough rows
- * to fill a tile, else to the dot pairs; bf16 queries over int8 caches to the dot pairs
- * (the tile unit reads bf16 caches only); the rest to the widening loops. */
+ * to fill a tile, else to the dot pairs; bf16 queries over int8 caches to the byte dots
+ * where the CPU has AVX512-VNNI; the rest to the widening loops. */
 static void attend_item(const Args *a, const Item *it, float *scratch, float *partials,
                         float *amx, int head_dim) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     if (a->dtype == DTYPE_BF16 && a->kv_dtype == DTYPE_INT8 && head_dim % 32 == 0) {
-        attend_dot_pairs(a, it, scratch, partials, head_dim);
+        attend_byte_dots(a, it, scratch, partials, head_dim);
         return;
     }
+#endif
+#if defined(__AVX512BF16__)
     if (a->dtype == DTYPE_BF16 && a->kv_dtype == DTYPE_BF16 && head_dim % 32 == 0) {
 #if defined(CHATSVC_AMX)
         const int nrows = (it->q_end - it->q_begin) * (a->num_q_heads / a->num_kv_heads);

@@ -7,9 +7,10 @@
  *   attention_avx2.c      the widening loops on AVX2 + FMA (K and V widened to fp32)
  *   attention_avx512.c    the widening loops on AVX-512 (K and V widened to fp32)
  *
- * int8 caches take the widening loops on every CPU: K and V rows widened from int8,
- * each key's scale applied to its score (one multiply per score) and each value's
- * scale folded into its weight (p_t * s_t; the softmax sum l keeps the unscaled p).
+ * int8 caches take the widening loops (K and V rows widened from int8, each key's scale
+ * applied to its score and each value's folded into its weight, p_t * s_t; the softmax
+ * sum l keeps the unscaled p), or with bf16 queries on AVX512-VNNI the byte dots:
+ *   attention_int8.c      integer dot products on int8 caches (`attend_byte_dots`)
  *   attention_bf16.c      bf16 dot pairs on AVX512-BF16 (`attend_dot_pairs`)
  *   attention_amx.c       runs of new tokens on the tile unit (`attend_tiles`)
  *   attention_walk.h      the walk of a work item over its keys, written once for the paths
@@ -111,6 +112,13 @@ static inline const float *row_f32(const void *base, int64_t offset, int n, int 
     return scratch;
 }
 
+/* The software prefetch of keys and values a step or a block ahead: into L2, not L1.
+ * A step's prefetches come in a burst (a line per key and head); aimed at L1 they fill
+ * its few miss buffers and stall the loads the step needs now (docs/kernels.md). */
+static inline __attribute__((always_inline)) void prefetch_kv(const void *p) {
+    __builtin_prefetch(p, 0, 1);
+}
+
 /* Bytes of one element of a cache of `kv_dtype`. */
 static inline int kv_item_size(int kv_dtype) {
     return kv_dtype == DTYPE_F32 ? 4 : kv_dtype == DTYPE_INT8 ? 1 : 2;
@@ -160,7 +168,7 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-static inline __m512 exp2_nonpositive16(__m512 x) {
+static inline __attribute__((always_inline)) __m512 exp2_nonpositive16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
@@ -193,16 +201,6 @@ static inline __m512i load_bf16x32(const void *base, int64_t offset) {
     return _mm512_loadu_si512((const uint16_t *)base + offset);
 }
 
-/* 32 elements of a cache at `offset` as bf16: as stored, or an int8 cache's widened
- * (exact: |q| <= 127 needs 7 bits; the scales are applied to scores and weights). */
-static inline __m512i load_kv32(const void *base, int64_t offset, int kv_dtype) {
-    if (kv_dtype != DTYPE_INT8) return load_bf16x32(base, offset);
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)((const int8_t *)base + offset));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
 /* Dims of acc slot p (see above). */
 static inline int acc_dim(int p) {
     const int lane = p % 16;
@@ -219,7 +217,6 @@ static inline void unpermute_row(const float *acc, float *row, const int D) {
  * stalling in one burst. */
 static inline void load_k_pairs(const Args *a, const int64_t *offsets, const int64_t *ahead,
                                 int n, const int D, float *restrict kt) {
-    const int size = kv_item_size(a->kv_dtype);
     for (int half = 0; half < 2; half++) {
         const int64_t *off = offsets + half * TILE, *next = ahead + half * TILE;
         const int live = n - half * TILE;
@@ -231,11 +228,11 @@ static inline void load_k_pairs(const Args *a, const int64_t *offsets, const int
             __m512 r[TILE];
             for (int t = 0; t < TILE; t++) {
                 if (next[t] >= 0) {
-                    const int64_t at = (next[t] + c) * size;
-                    _mm_prefetch((const char *)a->k + at, _MM_HINT_T0);
-                    _mm_prefetch((const char *)a->v + at, _MM_HINT_T0);
+                    const int64_t at = (next[t] + c) * 2;
+                    prefetch_kv((const char *)a->k + at);
+                    prefetch_kv((const char *)a->v + at);
                 }
-                r[t] = t < live ? _mm512_castsi512_ps(load_kv32(a->k, off[t] + c, a->kv_dtype))
+                r[t] = t < live ? _mm512_castsi512_ps(load_bf16x32(a->k, off[t] + c))
                                 : _mm512_setzero_ps();
             }
             transpose16(r);
@@ -253,8 +250,8 @@ static inline void load_v_pairs(const Args *a, const int64_t *offsets, int n, in
     for (int k = 0; k < pairs; k++) {
         const int t = 2 * k;
         for (int c = 0; c < D; c += 32) {
-            const __m512i x = t < n ? load_kv32(a->v, offsets[t] + c, a->kv_dtype) : zero;
-            const __m512i y = t + 1 < n ? load_kv32(a->v, offsets[t + 1] + c, a->kv_dtype) : zero;
+            const __m512i x = t < n ? load_bf16x32(a->v, offsets[t] + c) : zero;
+            const __m512i y = t + 1 < n ? load_bf16x32(a->v, offsets[t + 1] + c) : zero;
             float *dst = vv + ((int64_t)k * (D / 16) + c / 16) * 16;
             _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
             _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(x, y));
@@ -264,14 +261,11 @@ static inline void load_v_pairs(const Args *a, const int64_t *offsets, int n, in
 
 /* Online-softmax update of one row with the scores of up to 32 keys (raw dot products
  * of keys 0-15 and 16-31; the first `seen` count): returns the weights as 32 bf16
- * (key order), updates m and l with their rounded sum, and sets alpha. `vs`: an int8
- * cache's value scales of the 32 keys (NULL: none), folded into the weights returned
- * after l has summed the weights themselves. */
+ * (key order), updates m and l with their rounded sum, and sets alpha. */
 static inline __attribute__((always_inline)) __m512i softmax_step32(__m512 raw0, __m512 raw1,
                                                                     int seen, float scale_log2,
                                                                     float *m, float *l,
-                                                                    float *alpha,
-                                                                    const float *vs) {
+                                                                    float *alpha) {
     const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
     const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
     const __m512 scale = _mm512_set1_ps(scale_log2), minus_inf = _mm512_set1_ps(-INFINITY);
@@ -289,9 +283,7 @@ static inline __attribute__((always_inline)) __m512i softmax_step32(__m512 raw0,
     const __m512 hi = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16));
     update_row(top, m, l, _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)), alpha);
-    if (!vs) return p;
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(p1, _mm512_load_ps(vs + 16)),
-                                        _mm512_mul_ps(p0, _mm512_load_ps(vs)));
+    return p;
 }
 #endif
 

@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void tile_head_amx(
         seen = seen > n ? n : seen;
         const __m512i p =
             softmax_step32(_mm512_load_ps(scores + j * 32), _mm512_load_ps(scores + j * 32 + 16),
-                           seen, a->scale_log2, &m[r], &l[r], &alphas[j], NULL);
+                           seen, a->scale_log2, &m[r], &l[r], &alphas[j]);
         _mm512_store_si512(weights + j * 32, p);
     }
 

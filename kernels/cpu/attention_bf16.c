@@ -1,7 +1,6 @@
-/* bf16 and int8 caches on CPUs with AVX512-BF16, decodes and the runs the tile unit does
- * not take: products of bf16 pairs (vdpbf16ps) into fp32 lanes, K and V used as stored
- * (int8 widened to bf16 as loaded, exactly; a key's scale on its score, a value's on
- * its weight, once per key).
+/* bf16 caches on CPUs with AVX512-BF16, decodes and the runs the tile unit does not take:
+ * products of bf16 pairs (vdpbf16ps) into fp32 lanes, K and V used as stored (int8
+ * caches take the byte dots of attention_int8.c).
  * The layouts (K as dword columns, V by key pairs), the 32-key softmax step and the
  * dim order of acc are described in attention.h, which the tile path
  * (attention_amx.c) shares. */
@@ -65,9 +64,6 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
     most = most > n ? n : most;
     load_k_pairs(a, offsets, ahead, n, D, kt);
     load_v_pairs(a, offsets, n, (most + 1) / 2, D, vv);
-    const int quantized = a->kv_dtype == DTYPE_INT8;
-    const __m512 k_scale0 = quantized ? _mm512_load_ps(s->ks) : _mm512_setzero_ps();
-    const __m512 k_scale1 = quantized ? _mm512_load_ps(s->ks + TILE) : _mm512_setzero_ps();
     for (int i = q_begin; i < q_end; i++) {
         int seen = prefix + i - first + 1;
         if (seen <= 0) continue;
@@ -87,14 +83,10 @@ static inline __attribute__((always_inline)) void tile_head_bf16(
             }
             for (int j = 0; j < R; j++) {
                 const int r = first_row + g0 + j;
-                if (quantized) { /* int8: the keys' scales multiply their scores */
-                    scores[2 * j] = _mm512_mul_ps(scores[2 * j], k_scale0);
-                    scores[2 * j + 1] = _mm512_mul_ps(scores[2 * j + 1], k_scale1);
-                }
                 float alpha;
                 const __m512i p =
                     softmax_step32(scores[2 * j], scores[2 * j + 1], seen, a->scale_log2, &m[r],
-                                   &l[r], &alpha, quantized ? s->vs : NULL);
+                                   &l[r], &alpha);
                 accumulate_row_bf16(acc + (int64_t)r * D, alpha, p, (seen + 1) / 2, vv, D);
             }
         }

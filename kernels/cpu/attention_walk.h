@@ -30,16 +30,16 @@ static inline void prefetch_block(const Args *a, int64_t block) {
     const char *k = (const char *)a->k + block * a->kv_stride_block * size;
     const char *v = (const char *)a->v + block * a->kv_stride_block * size;
     for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(k + b);
-        __builtin_prefetch(v + b);
+        prefetch_kv(k + b);
+        prefetch_kv(v + b);
     }
     if (a->kv_dtype != DTYPE_INT8) return;
     const int64_t scale_bytes = (int64_t)a->block_size * a->scale_stride_slot * 2;
     const char *ks = (const char *)(a->k_scale + block * a->scale_stride_block);
     const char *vs = (const char *)(a->v_scale + block * a->scale_stride_block);
     for (int64_t b = 0; b < scale_bytes; b += 64) {
-        __builtin_prefetch(ks + b);
-        __builtin_prefetch(vs + b);
+        prefetch_kv(ks + b);
+        prefetch_kv(vs + b);
     }
 }
 
@@ -58,8 +58,8 @@ static inline void prefetch_scales(const Args *a, const int32_t *table, int32_t 
         const int64_t hi = base + (int64_t)((end - 1) & (bs - 1)) * a->scale_stride_slot +
                            (int64_t)(a->num_kv_heads - 1) * a->scale_stride_head;
         for (int64_t at = lo; at < hi + line; at += line) {
-            __builtin_prefetch(a->k_scale + (at < hi ? at : hi));
-            __builtin_prefetch(a->v_scale + (at < hi ? at : hi));
+            prefetch_kv(a->k_scale + (at < hi ? at : hi));
+            prefetch_kv(a->v_scale + (at < hi ? at : hi));
         }
         pos = end;
     }
@@ -279,23 +279,25 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
     if (path->prepare) path->prepare(a, it, &s, ctx, D);
     const int keys = path->pairs ? 2 * TILE : TILE;
     const int bs = a->block_size;
-    int64_t offsets[2 * TILE], ahead[2 * TILE];
-    /* The pair paths prefetch an int8 cache's rows two steps ahead: its rows are half as
-     * long, so the same distance in keys would keep half the bytes in flight. */
+    /* The step's rows of KV head 0 (and the next step's), once; head h's lie h heads on. */
+    int64_t rows0[2 * TILE], ahead0[2 * TILE], offsets[2 * TILE], ahead[2 * TILE];
     const int quantized = a->kv_dtype == DTYPE_INT8;
-    const int32_t distance = quantized ? 2 * keys : keys;
     for (int32_t first = it->key_begin; first < s.stop; first += keys) {
         const int n = s.stop - first < keys ? s.stop - first : keys;
         if (!path->pairs) {
             const int32_t next = first + (bs > TILE ? bs : TILE);
             if (next < s.stop && (first & (bs - 1)) == 0) prefetch_block(a, s.table[next / bs]);
         } else if (quantized) {
-            prefetch_scales(a, s.table, first + distance, s.stop, keys);
+            prefetch_scales(a, s.table, first + keys, s.stop, keys);
         }
+        item_offsets(a, s.table, first, n, 0, rows0);
+        if (path->pairs) item_offsets_ahead(a, s.table, first + keys, s.stop, 0, ahead0);
         for (int h = 0; h < a->num_kv_heads; h++) {
-            item_offsets(a, s.table, first, n, h, offsets);
+            const int64_t head = (int64_t)h * a->kv_stride_head;
+            for (int t = 0; t < n; t++) offsets[t] = rows0[t] + head;
+            if (path->pairs)
+                for (int t = 0; t < 2 * TILE; t++) ahead[t] = ahead0[t] < 0 ? -1 : ahead0[t] + head;
             if (quantized) item_scales(a, s.table, first, n, keys, h, s.ks, s.vs);
-            if (path->pairs) item_offsets_ahead(a, s.table, first + distance, s.stop, h, ahead);
             path->step(a, it, &s, offsets, ahead, first, n, h, ctx, D);
         }
     }

@@ -50,6 +50,7 @@ SOURCES = tuple(
         "attention_avx2.c",
         "attention_avx512.c",
         "attention_bf16.c",
+        "attention_int8.c",
         "attention_amx.c",
         "write_kv.c",
         "layers.c",

@@ -1,0 +1,282 @@
+/* int8 caches read by bf16 queries on CPUs with AVX512-VNNI (`attend_byte_dots`):
+ * integer dot products on the bytes as stored, no widening of K or V to floats.
+ *
+ *   scores: each query row quantized once per item, symmetric int8 with a scale per
+ *           row (as the cache quantizes a key: max |q| / 127, round-half-even), and
+ *           dotted with the keys' bytes by vpdpbusd (4 dims per dword; K as dword
+ *           columns, one 16x16 dword transpose per 64 dims of 16 keys). vpdpbusd takes
+ *           one operand unsigned, so the keys go in biased by 128 and the row's
+ *           128 * sum(q) comes off the exact int32 sum. A score is then
+ *           float(sum) * (the row's scale * the key's scale).
+ *   P.V:    the 32 weights of a step times their values' scales, quantized to int16
+ *           against the step's largest (15 bits: finer than the bf16 weights of the
+ *           float caches), V sign-extended to int16 and interleaved by key pairs as
+ *           the bf16 pairs are, vpdpwssd into int32, times the step's unit into acc.
+ *           l sums the weights themselves (fp32).
+ *
+ * Integer sums are exact, so a row's result depends only on its own query, its keys
+ * and the fixed 32-key steps of its span: the batch and cache-state invariance of the
+ * float paths holds. Against the float64 oracle a query's rounding to int8 moves a
+ * score by at most half its step times the key's L1 norm, the size of the cache's own
+ * rounding of the key (tests/kernels/test_kv_int8.py). Overflow: |q| <= 127 and a
+ * biased key byte <= 255 over 256 dims stay under 2^23; 32 weights <= 32767 times
+ * |v| <= 127 under 2^28.
+ *
+ * The acc dim order is the bf16 pair paths' (`acc_dim`, attention.h). */
+
+#include "attention_walk.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+
+/* An item's quantized query rows: after its bf16 rows in the q scratch, which holds
+ * rows * D floats (the bf16 rows fill half of it): q [rows][D] int8, then per row its
+ * scale and 128 * sum(q). */
+typedef struct {
+    int8_t *q;
+    float *scale;
+    int32_t *bias;
+} QueryBytes;
+
+static inline QueryBytes query_bytes(const ItemState *s, const int D) {
+    char *base = (char *)s->q + (int64_t)s->rows * D * 2;
+    QueryBytes b;
+    b.q = (int8_t *)base;
+    b.scale = (float *)(base + (int64_t)s->rows * D);
+    b.bias = (int32_t *)(b.scale + s->rows);
+    return b;
+}
+
+/* Once per item: every query row to int8 with its scale, 16 dims at a time (D is a
+ * multiple of 32 here). NaN in a row gives a NaN scale, so its scores stay NaN as in the
+ * float paths. */
+static void quantize_queries(const Args *a, const Item *it, const ItemState *s, void *ctx,
+                             const int D) {
+    (void)a, (void)it, (void)ctx;
+    const QueryBytes b = query_bytes(s, D);
+    const uint16_t *q = (const uint16_t *)s->q;
+    const __m512 limit = _mm512_set1_ps(127.0f);
+    for (int r = 0; r < s->rows; r++) {
+        const uint16_t *row = q + (int64_t)r * D;
+        __m512 x[D / 16], amax = _mm512_setzero_ps();
+        __mmask16 nan = 0;
+        for (int c = 0; c < D / 16; c++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 16 * c));
+            x[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(x[c]));
+            nan |= _mm512_cmp_ps_mask(x[c], x[c], _CMP_UNORD_Q);
+        }
+        const float scale = nan ? __builtin_nanf("") : _mm512_reduce_max_ps(amax) / 127.0f;
+        __m512i sum = _mm512_setzero_si512();
+        int8_t *dst = b.q + (int64_t)r * D;
+        for (int c = 0; c < D / 16; c++) {
+            __m512 v = _mm512_setzero_ps();
+            if (scale > 0.0f) { /* x / scale (an exact division, as the scalar one), rounded half even */
+                v = _mm512_roundscale_ps(_mm512_div_ps(x[c], _mm512_set1_ps(scale)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v = _mm512_max_ps(_mm512_min_ps(v, limit), _mm512_sub_ps(_mm512_setzero_ps(), limit));
+            }
+            const __m512i words = _mm512_cvtps_epi32(v);
+            sum = _mm512_add_epi32(sum, words);
+            _mm_storeu_si128((__m128i *)(dst + 16 * c), _mm512_cvtepi32_epi8(words));
+        }
+        b.scale[r] = scale;
+        b.bias[r] = 128 * _mm512_reduce_add_epi32(sum);
+    }
+}
+
+/* kt[(half * D / 4 + j) * 16 + t] (dwords) = dims 4j .. 4j + 3 of key 16 half + t, each
+ * byte + 128; zeros past n. Prefetches the next step's rows as `load_k_pairs` does. */
+static inline void load_k_bytes(const Args *a, const int64_t *offsets, const int64_t *ahead,
+                                int n, const int D, uint32_t *restrict kt) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int half = 0; half < 2; half++) {
+        const int64_t *off = offsets + half * TILE, *next = ahead + half * TILE;
+        const int live = n - half * TILE;
+        uint32_t *dst = kt + (int64_t)half * (D / 4) * TILE;
+        if (live <= 0) { /* masked scores, but finite */
+            memset(dst, 0, sizeof(uint32_t) * (D / 4) * TILE);
+            continue;
+        }
+        for (int c = 0; c < D; c += 64) {
+            const int bytes = D - c < 64 ? D - c : 64;
+            const __mmask64 mask = bytes == 64 ? ~(__mmask64)0 : ((__mmask64)1 << bytes) - 1;
+            __m512 r[TILE];
+            for (int t = 0; t < TILE; t++) {
+                if (next[t] >= 0) {
+                    prefetch_kv((const char *)a->k + next[t] + c);
+                    prefetch_kv((const char *)a->v + next[t] + c);
+                }
+                r[t] = t < live ? _mm512_castsi512_ps(_mm512_xor_si512(
+                                      _mm512_maskz_loadu_epi8(mask, (const int8_t *)a->k + off[t] + c),
+                                      bias))
+                                : _mm512_setzero_ps();
+            }
+            transpose16(r);
+            for (int j = 0; j < bytes / 4; j++)
+                _mm512_store_ps((float *)dst + (int64_t)(c / 4 + j) * TILE, r[j]);
+        }
+    }
+}
+
+/* vv[(k * D / 16 + c) * 16 ..] (dwords) = chunk c of key pair k as int16 words, the two
+ * keys interleaved (the layout of `load_v_pairs`); zeros past n. Only `pairs` pairs. */
+static inline void load_v_words(const Args *a, const int64_t *offsets, int n, int pairs,
+                                const int D, int32_t *restrict vv) {
+    const __m512i zero = _mm512_setzero_si512();
+    const int8_t *v = (const int8_t *)a->v;
+    for (int k = 0; k < pairs; k++) {
+        const int t = 2 * k;
+        for (int c = 0; c < D; c += 32) {
+            const __m512i x =
+                t < n ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v + offsets[t] + c)))
+                      : zero;
+            const __m512i y =
+                t + 1 < n
+                    ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v + offsets[t + 1] + c)))
+                    : zero;
+            int32_t *dst = vv + ((int64_t)k * (D / 16) + c / 16) * 16;
+            _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(x, y));
+        }
+    }
+}
+
+/* Integer scores of R quantized rows (dwords of 4 dims) against both halves of kt:
+ * out[2j + half]. Four chains per row (half x even/odd dwords). */
+static inline __attribute__((always_inline)) void scores_rows_bytes(
+    const uint32_t *const *rows, const uint32_t *kt, const int D, const int R, __m512i *out) {
+    __m512i even[2][4], odd[2][4];
+    for (int half = 0; half < 2; half++)
+        for (int j = 0; j < R; j++) even[half][j] = odd[half][j] = _mm512_setzero_si512();
+    for (int i = 0; i < D / 4; i += 2) {
+        for (int half = 0; half < 2; half++) {
+            const uint32_t *col = kt + ((int64_t)half * (D / 4) + i) * TILE;
+            const __m512i k0 = _mm512_load_si512(col);
+            const __m512i k1 = _mm512_load_si512(col + TILE);
+            for (int j = 0; j < R; j++) {
+                even[half][j] =
+                    _mm512_dpbusd_epi32(even[half][j], k0, _mm512_set1_epi32((int)rows[j][i]));
+                odd[half][j] =
+                    _mm512_dpbusd_epi32(odd[half][j], k1, _mm512_set1_epi32((int)rows[j][i + 1]));
+            }
+        }
+    }
+    for (int j = 0; j < R; j++)
+        for (int half = 0; half < 2; half++)
+            out[2 * j + half] = _mm512_add_epi32(even[half][j], odd[half][j]);
+}
+
+/* Online-softmax update of one row with the scores of up to 32 keys (the first `seen`
+ * count), as `softmax_step32`, except the weights: p times the values' scales `vs`,
+ * returned as 32 int16 words of `*unit` each (key order); l sums p itself. */
+static inline __attribute__((always_inline)) __m512i softmax_step32_words(
+    __m512 raw0, __m512 raw1, int seen, float scale_log2, float *m, float *l, float *alpha,
+    const float *vs, float *unit) {
+    const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
+    const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
+    const __m512 scale = _mm512_set1_ps(scale_log2), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 s0 = _mm512_mask_mov_ps(minus_inf, live0, _mm512_mul_ps(raw0, scale));
+    const __m512 s1 = _mm512_mask_mov_ps(minus_inf, live1, _mm512_mul_ps(raw1, scale));
+    const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float top = step_top > *m ? step_top : *m;
+    const __m512 t = _mm512_set1_ps(top);
+    const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
+    const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+    update_row(top, m, l, _mm512_reduce_add_ps(_mm512_add_ps(p0, p1)), alpha);
+    const __m512 w0 = _mm512_mul_ps(p0, _mm512_load_ps(vs));
+    const __m512 w1 = _mm512_mul_ps(p1, _mm512_load_ps(vs + 16));
+    const float most = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
+    if (!(most > 0.0f)) { /* every weight 0 (or NaN, which l carries to the output) */
+        *unit = 0.0f;
+        return _mm512_setzero_si512();
+    }
+    const __m512 to_words = _mm512_set1_ps(32767.0f / most);
+    const __m512i top_word = _mm512_set1_epi32(32767);
+    const __m512i q0 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w0, to_words)), top_word);
+    const __m512i q1 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w1, to_words)), top_word);
+    *unit = most / 32767.0f;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)),
+                              _mm512_cvtepi32_epi16(q1), 1);
+}
+
+/* acc = acc * alpha + unit * (sum over key pairs of the pair's words . V pair k). */
+static inline __attribute__((always_inline)) void accumulate_row_words(
+    float *acc, float alpha, __m512i words, float unit, int pairs, const int32_t *vv,
+    const int D) {
+    __m512i x[D / 16];
+    for (int c = 0; c < D / 16; c++) x[c] = _mm512_setzero_si512();
+    for (int k = 0; k < pairs; k++) {
+        const __m512i w = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), words);
+        for (int c = 0; c < D / 16; c++)
+            x[c] = _mm512_dpwssd_epi32(x[c], w,
+                                       _mm512_load_si512(vv + ((int64_t)k * (D / 16) + c) * 16));
+    }
+    const __m512 u = _mm512_set1_ps(unit), keep = _mm512_set1_ps(alpha);
+    for (int c = 0; c < D / 16; c++)
+        _mm512_store_ps(acc + 16 * c,
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(x[c]), u,
+                                        _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), keep)));
+}
+
+/* One step of up to 2 x 16 keys of one KV head against the rows of that head. */
+static inline __attribute__((always_inline)) void tile_head_bytes(
+    const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
+    const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
+    (void)ctx;
+    const QueryBytes b = query_bytes(s, D);
+    float *acc = s->acc, *m = s->m, *l = s->l;
+    uint32_t *kt = (uint32_t *)s->kt;
+    int32_t *vv = (int32_t *)s->v_tile;
+    const int32_t prefix = s->prefix;
+    const int q_begin = it->q_begin, q_end = it->q_end;
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    /* The last row sees the most keys of the step. */
+    int most = prefix + (q_end - 1) - first + 1;
+    most = most > n ? n : most;
+    load_k_bytes(a, offsets, ahead, n, D, kt);
+    load_v_words(a, offsets, n, (most + 1) / 2, D, vv);
+    const __m512 k_scale0 = _mm512_load_ps(s->ks), k_scale1 = _mm512_load_ps(s->ks + TILE);
+    for (int i = q_begin; i < q_end; i++) {
+        int seen = prefix + i - first + 1;
+        if (seen <= 0) continue;
+        seen = seen > n ? n : seen;
+        const int first_row = (i - q_begin) * Hq + h * G;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int R = G - g0 < 4 ? G - g0 : 4;
+            const uint32_t *rows[4];
+            __m512i sums[8];
+            for (int j = 0; j < R; j++)
+                rows[j] = (const uint32_t *)(b.q + (int64_t)(first_row + g0 + j) * D);
+            switch (R) { /* literal row counts: the row loops unroll into registers */
+                case 1: scores_rows_bytes(rows, kt, D, 1, sums); break;
+                case 2: scores_rows_bytes(rows, kt, D, 2, sums); break;
+                case 3: scores_rows_bytes(rows, kt, D, 3, sums); break;
+                default: scores_rows_bytes(rows, kt, D, 4, sums); break;
+            }
+            for (int j = 0; j < R; j++) {
+                const int r = first_row + g0 + j;
+                const __m512i bias = _mm512_set1_epi32(b.bias[r]);
+                const __m512 row_scale = _mm512_set1_ps(b.scale[r]);
+                const __m512 raw0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j], bias)),
+                                                  _mm512_mul_ps(k_scale0, row_scale));
+                const __m512 raw1 = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j + 1], bias)),
+                    _mm512_mul_ps(k_scale1, row_scale));
+                float alpha, unit;
+                const __m512i words = softmax_step32_words(raw0, raw1, seen, a->scale_log2, &m[r],
+                                                           &l[r], &alpha, s->vs, &unit);
+                accumulate_row_words(acc + (int64_t)r * D, alpha, words, unit, (seen + 1) / 2,
+                                     vv, D);
+            }
+        }
+    }
+}
+
+static const KeyPath BYTE_DOTS = {.pairs = 1, .prepare = quantize_queries, .step = tile_head_bytes};
+
+void attend_byte_dots(const Args *a, const Item *it, float *scratch, float *partials,
+                      int head_dim) {
+    walk_head_dims(a, it, scratch, partials, &BYTE_DOTS, NULL, head_dim);
+}
+
+#endif
