@@ -1,4 +1,5 @@
-/* Linear layers of fp32 models whose weights are stored narrower (AVX2 + FMA):
+/* Linear layers of fp32 models whose weights are stored narrower (AVX2 + FMA; the row
+ * tiles of narrow_linear_avx512.c where the CPU has AVX-512):
  *
  *   out[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) (+ residual[M, N])     x, out fp32
  *
@@ -35,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "narrow_linear.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -43,19 +44,11 @@
 #define CHATSVC_NARROW_LINEAR 1
 #endif
 
-enum { COLS = 16, ROWS = 6 };
-/* kernels/cpu/narrow_linear.py: FORMATS. An int8 block widened once to fp32 (a step of
- * many rows) is read as FORMAT_F32, its problem's format still INT8 (the scale). */
-enum { FORMAT_BF16 = 0, FORMAT_INT8 = 1, FORMAT_F32 = 2 };
+enum { ROWS = 6 };
 
 /* int8 steps of more rows than this widen each block once into fp32 scratch (its writes
  * and reads cost more than converting again up to about 16 rows: docs/kernels.md). */
 enum { WIDEN_ONCE_ROWS = 24 };
-
-/* Bytes of weights a thread keeps in its L2 while every row tile passes over them. */
-enum { CHUNK_BYTES = 256 * 1024 };
-
-static const int BF16_COLUMN_OF[COLS] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
 /* Elements (of the format's width) of W [n, k] once packed. */
 int64_t chatsvc_narrow_linear_packed_elements(int64_t n, int64_t k) {
@@ -200,18 +193,6 @@ static inline __attribute__((always_inline)) void row_tile(
     }
 }
 
-typedef struct {
-    const float *x;
-    int64_t x_stride, m;
-    const void *packed;
-    int format;
-    int64_t n, k;
-    const float *scale, *bias, *residual;
-    int64_t residual_stride;
-    float *out;
-    int64_t out_stride;
-} Problem;
-
 /* Rows [row0, row0 + rows) against column block nb, whose packed values are `block`
  * in `format` (the problem's own, or FORMAT_F32 for a widened int8 block). */
 static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const void *block,
@@ -240,20 +221,13 @@ static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const 
 #undef ROW_TILE
 }
 
-static int64_t format_width(int format) {
-    return format == FORMAT_BF16 ? 2 : format == FORMAT_INT8 ? 1 : 4;
-}
-
-static const void *block_at(const Problem *p, int64_t nb) {
-    const int64_t width = format_width(p->format);
-    return (const char *)p->packed + nb * p->k * COLS * width;
-}
-
 /* Column blocks [first, last) of out, all m rows: a chunk of blocks at a time, every
  * row tile over the chunk, so the chunk's weights come from memory once and from L2
- * for the later row tiles; or, given `widened` scratch (int8, many rows), one block at
- * a time, widened once and then read by every row tile. */
-static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *widened) {
+ * for the later row tiles (on AVX-512, where `wide`, its own tiles); or, given `widened`
+ * scratch (int8, many rows), one block at a time, widened once and then read by every
+ * row tile. */
+static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *widened,
+                          int wide) {
     if (widened) { /* int8 with several row tiles: widen each block once */
         for (int64_t nb = first; nb < last; nb++) {
             widen_block(block_at(p, nb), p->k, widened);
@@ -264,9 +238,17 @@ static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *
         }
         return;
     }
-    const int64_t width = format_width(p->format);
-    int64_t chunk = p->k > 0 ? CHUNK_BYTES / (p->k * COLS * width) : last - first;
-    if (chunk < 1) chunk = 1;
+#if defined(__AVX512F__)
+    /* One block's chain of FMAs per k keeps up with memory for bf16 and fp32 weights but
+     * not int8's: one row of bf16 or fp32 stays on the AVX2 tiles (one stream each),
+     * whose one-row reads measured no slower (docs/kernels.md). */
+    if (wide && (p->format == FORMAT_INT8 || p->m > 1)) {
+        narrow_blocks_avx512(p, first, last);
+        return;
+    }
+#endif
+    (void)wide;
+    const int64_t chunk = chunk_blocks(p, last - first);
     for (int64_t start = first; start < last; start += chunk) {
         const int64_t stop = start + chunk < last ? start + chunk : last;
         for (int64_t row0 = 0; row0 < p->m; row0 += ROWS) {
@@ -276,27 +258,16 @@ static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *
         }
     }
 }
-#endif
 
-/* out = x . W^T (+ bias) (+ residual): x, bias, residual and out fp32, W packed by
- * the format's `chatsvc_narrow_linear_pack_*`; `scale` [n] for int8 (ignored for
- * the others). bias and residual may be NULL. Returns 0, or -1 where this build has no
- * AVX2 + FMA or the format is unknown (nothing is written then), or scratch memory
- * ran out (int8 with more than WIDEN_ONCE_ROWS rows; out is then incomplete). */
-int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const void *packed,
-                          int32_t format, const float *scale, int64_t n, int64_t k,
-                          const float *bias, const float *residual, int64_t residual_stride,
-                          float *out, int64_t out_stride, int32_t num_threads) {
-#if defined(CHATSVC_NARROW_LINEAR)
-    if (format != FORMAT_BF16 && format != FORMAT_INT8 && format != FORMAT_F32) return -1;
-    if (m <= 0 || n <= 0) return 0;
-    const Problem p = {x, x_stride, m, packed, format, n, k, scale, bias, residual,
-                       residual_stride, out, out_stride};
-    const int64_t nbs = (n + COLS - 1) / COLS;
+static int run(const Problem *p, int wide, int32_t num_threads) {
+    if (p->format != FORMAT_BF16 && p->format != FORMAT_INT8 && p->format != FORMAT_F32)
+        return -1;
+    if (p->m <= 0 || p->n <= 0) return 0;
+    const int64_t nbs = (p->n + COLS - 1) / COLS, k = p->k;
     /* A second thread pays for its wake-up only with enough columns to share (as the
      * tile linears: every matrix of the models served here has 36 or more blocks). */
     const int threads = nbs >= 8 ? num_threads : 1;
-    const int widen_once = format == FORMAT_INT8 && m > WIDEN_ONCE_ROWS && k > 0;
+    const int widen_once = p->format == FORMAT_INT8 && p->m > WIDEN_ONCE_ROWS && k > 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -306,10 +277,46 @@ int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const voi
         if (widen_once && !widened)
             failed = 1;
         else
-            linear_blocks(&p, nbs * t / team, nbs * (t + 1) / team, widened);
+            linear_blocks(p, nbs * t / team, nbs * (t + 1) / team, widened, wide);
         free(widened);
     }
     return failed ? -1 : 0;
+}
+#endif
+
+/* out = x . W^T (+ bias) (+ residual): x, bias, residual and out fp32, W packed by
+ * the format's `chatsvc_narrow_linear_pack_*`; `scale` [n] for int8 (ignored for
+ * the others). bias and residual may be NULL. Returns 0, or -1 where this build has no
+ * AVX2 + FMA or the format is unknown (nothing is written then), or scratch memory
+ * ran out (int8 with more than WIDEN_ONCE_ROWS rows; out is then incomplete). Runs the
+ * AVX-512 tiles in a build for a CPU that has them, else the AVX2 ones. */
+int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const void *packed,
+                          int32_t format, const float *scale, int64_t n, int64_t k,
+                          const float *bias, const float *residual, int64_t residual_stride,
+                          float *out, int64_t out_stride, int32_t num_threads) {
+#if defined(CHATSVC_NARROW_LINEAR)
+    const Problem p = {x, x_stride, m, packed, format, n, k, scale, bias, residual,
+                       residual_stride, out, out_stride};
+    return run(&p, 1, num_threads);
+#else
+    (void)x, (void)x_stride, (void)m, (void)packed, (void)format, (void)scale, (void)n, (void)k;
+    (void)bias, (void)residual, (void)residual_stride, (void)out, (void)out_stride;
+    (void)num_threads;
+    return -1;
+#endif
+}
+
+/* `chatsvc_narrow_linear` on the AVX2 tiles whatever the build: the tests hold the two
+ * builds' tiles to the same bits on one machine. */
+int chatsvc_narrow_linear_avx2(const float *x, int64_t x_stride, int64_t m, const void *packed,
+                               int32_t format, const float *scale, int64_t n, int64_t k,
+                               const float *bias, const float *residual,
+                               int64_t residual_stride, float *out, int64_t out_stride,
+                               int32_t num_threads) {
+#if defined(CHATSVC_NARROW_LINEAR)
+    const Problem p = {x, x_stride, m, packed, format, n, k, scale, bias, residual,
+                       residual_stride, out, out_stride};
+    return run(&p, 0, num_threads);
 #else
     (void)x, (void)x_stride, (void)m, (void)packed, (void)format, (void)scale, (void)n, (void)k;
     (void)bias, (void)residual, (void)residual_stride, (void)out, (void)out_stride;

@@ -1,4 +1,4 @@
-"""fp32 linears over weights stored narrower (AVX2), ``kernels/cpu/narrow_linear.c``.
+"""fp32 linears over weights stored narrower (AVX2, AVX-512), ``kernels/cpu/narrow_linear.c``.
 
     out = x @ W^T (+ bias) (+ residual)      x [M, K] fp32, W [N, K] stored narrow, out fp32
 
@@ -109,11 +109,17 @@ def narrow_linear(
     weight: NarrowWeight,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    *,
+    avx2_tiles: bool = False,
 ) -> torch.Tensor:
-    """``x @ W^T (+ bias) (+ residual)`` as a new ``[M, N]`` fp32 tensor."""
+    """``x @ W^T (+ bias) (+ residual)`` as a new ``[M, N]`` fp32 tensor. The kernel runs
+    its AVX-512 tiles where the build has them; ``avx2_tiles`` forces the AVX2 ones (the
+    tests hold both to the same bits)."""
     check_linear_inputs(x, weight.shape, torch.float32, bias, residual)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    status = native.require().chatsvc_narrow_linear(
+    lib = native.require()
+    kernel = lib.chatsvc_narrow_linear_avx2 if avx2_tiles else lib.chatsvc_narrow_linear
+    status = kernel(
         x.data_ptr(),
         x.stride(0),
         x.shape[0],

@@ -56,13 +56,14 @@ SOURCES = tuple(
         "layers.c",
         "tile_linear.c",
         "narrow_linear.c",
+        "narrow_linear_avx512.c",
         "pair_linear.c",
     )
 )
 # Included by the sources: in the key.
 HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("common.h", "amx.h", "attention.h", "attention_walk.h")
+    for name in ("common.h", "amx.h", "attention.h", "attention_walk.h", "narrow_linear.h")
 )
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
@@ -298,15 +299,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         pack = getattr(lib, f"chatsvc_narrow_linear_pack_{fmt}")
         pack.restype = None
         pack.argtypes = [ptr, i64, i64, i64, ptr]  # w, row stride, n, k, packed
-    narrow = lib.chatsvc_narrow_linear
-    narrow.restype = ctypes.c_int
-    narrow.argtypes = [
-        ptr, i64, i64,  # x (fp32), row stride, rows
-        ptr, i32, ptr,  # packed weight, format, scale (int8; NULL for bf16)
-        i64, i64,  # out features, in features
-        ptr, ptr, i64,  # bias, residual, residual row stride (NULL: none)
-        ptr, i64, i32,  # out, row stride, num_threads
-    ]  # fmt: skip
+    for narrow in (lib.chatsvc_narrow_linear, lib.chatsvc_narrow_linear_avx2):
+        narrow.restype = ctypes.c_int
+        narrow.argtypes = [
+            ptr, i64, i64,  # x (fp32), row stride, rows
+            ptr, i32, ptr,  # packed weight, format, scale (int8; NULL for bf16)
+            i64, i64,  # out features, in features
+            ptr, ptr, i64,  # bias, residual, residual row stride (NULL: none)
+            ptr, i64, i32,  # out, row stride, num_threads
+        ]  # fmt: skip
     lib.chatsvc_narrow_linear_available.restype = ctypes.c_int
     lib.chatsvc_narrow_linear_available.argtypes = []
     lib.chatsvc_pair_linear_packed_elements.restype = i64

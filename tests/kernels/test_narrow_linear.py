@@ -139,6 +139,34 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(format):
 
 
 @needs_kernel
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp32"])
+def test_the_avx512_tiles_give_the_avx2_tiles_bits(format):
+    """Where the build has AVX-512, its tiles (four blocks at a time) run the step; they
+    must sum exactly as the AVX2 tiles (one block at a time) do. Shapes with a partial
+    last block, tiles of 1-4 blocks at the ends of the threads' ranges, every row count a
+    tile takes and one past it. (On an AVX2-only build both calls take the same tiles.)"""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for n, k in [(20, 37), (16 * 9 + 5, 70), (1000, 576), (16 * 13, 1)]:
+                x, w, bias, residual = _inputs(13, n, k, seed=n + k)
+                weight = PACK[format](w)
+                for m in range(1, 14):
+                    for b, r in [
+                        (None, None),
+                        (bias, None),
+                        (None, residual[:m]),
+                        (bias, residual[:m]),
+                    ]:
+                        wide = narrow_linear(x[:m], weight, b, r)
+                        narrow = narrow_linear(x[:m], weight, b, r, avx2_tiles=True)
+                        assert torch.equal(wide, narrow), (threads, n, k, m)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 def test_threads_do_not_change_the_sums():
     x, w, _, residual = _inputs(9, 576, 576, seed=6)
     before = torch.get_num_threads()

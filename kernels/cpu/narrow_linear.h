@@ -1,0 +1,64 @@
+/* What the files of the narrow-weight linears share (kernels/cpu/narrow_linear*.c).
+ *
+ *   narrow_linear.c         the entry, the packing, the row tiles on AVX2 + FMA
+ *   narrow_linear_avx512.c  the row tiles on AVX-512 (builds for CPUs that have it)
+ *
+ * Both sum every output the one way narrow_linear.c's comment describes, so a build's
+ * results do not depend on which tiles ran them. Everything here trusts its arguments:
+ * the Python wrapper (kernels/cpu/narrow_linear.py) checked them.
+ */
+
+#ifndef CHATSVC_CPU_NARROW_LINEAR_H
+#define CHATSVC_CPU_NARROW_LINEAR_H
+
+#include <stdint.h>
+
+/* Functions one file of the library calls in another: not exported by the library. */
+#define CHATSVC_NARROW_INTERNAL __attribute__((visibility("hidden")))
+
+enum { COLS = 16 };
+/* kernels/cpu/narrow_linear.py: FORMATS. An int8 block widened once to fp32 (a step of
+ * many rows) is read as FORMAT_F32, its problem's format still INT8 (the scale). */
+enum { FORMAT_BF16 = 0, FORMAT_INT8 = 1, FORMAT_F32 = 2 };
+
+/* Bytes of weights a thread keeps in its L2 while every row tile passes over them. */
+enum { CHUNK_BYTES = 256 * 1024 };
+
+/* Block place p of a packed bf16 block holds column BF16_COLUMN_OF[p] (narrow_linear.c);
+ * the permutation is its own inverse. */
+static const int BF16_COLUMN_OF[COLS] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, m;
+    const void *packed;
+    int format;
+    int64_t n, k;
+    const float *scale, *bias, *residual;
+    int64_t residual_stride;
+    float *out;
+    int64_t out_stride;
+} Problem;
+
+static inline int64_t format_width(int format) {
+    return format == FORMAT_BF16 ? 2 : format == FORMAT_INT8 ? 1 : 4;
+}
+
+/* Column block nb's packed values. */
+static inline const void *block_at(const Problem *p, int64_t nb) {
+    return (const char *)p->packed + nb * p->k * COLS * format_width(p->format);
+}
+
+/* Blocks of weights per chunk: as many as CHUNK_BYTES hold, at least one. */
+static inline int64_t chunk_blocks(const Problem *p, int64_t blocks) {
+    if (p->k <= 0) return blocks > 0 ? blocks : 1;
+    const int64_t chunk = CHUNK_BYTES / (p->k * COLS * format_width(p->format));
+    return chunk < 1 ? 1 : chunk;
+}
+
+#if defined(__AVX512F__)
+/* Column blocks [first, last) of out, all m rows, in the problem's own format. */
+CHATSVC_NARROW_INTERNAL void narrow_blocks_avx512(const Problem *p, int64_t first, int64_t last);
+#endif
+
+#endif
