@@ -259,23 +259,34 @@ static inline void load_v_pairs(const Args *a, const int64_t *offsets, int n, in
     }
 }
 
-/* Online-softmax update of one row with the scores of up to 32 keys (raw dot products
- * of keys 0-15 and 16-31; the first `seen` count): returns the weights as 32 bf16
- * (key order), updates m and l with their rounded sum, and sets alpha. */
-static inline __attribute__((always_inline)) __m512i softmax_step32(__m512 raw0, __m512 raw1,
-                                                                    int seen, float scale_log2,
-                                                                    float *m, float *l,
-                                                                    float *alpha) {
+/* The weights of up to 32 keys (raw dot products of keys 0-15 and 16-31; the first `seen`
+ * count) against the row's running max `m`: p0, p1 (zeros past `seen`), and the new max,
+ * returned. What each pair path's softmax step shares. */
+static inline __attribute__((always_inline)) float softmax_weights32(__m512 raw0, __m512 raw1,
+                                                                     int seen, float scale_log2,
+                                                                     float m, __m512 *p0,
+                                                                     __m512 *p1) {
     const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
     const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
     const __m512 scale = _mm512_set1_ps(scale_log2), minus_inf = _mm512_set1_ps(-INFINITY);
     const __m512 s0 = _mm512_mask_mov_ps(minus_inf, live0, _mm512_mul_ps(raw0, scale));
     const __m512 s1 = _mm512_mask_mov_ps(minus_inf, live1, _mm512_mul_ps(raw1, scale));
     const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-    const float top = step_top > *m ? step_top : *m;
+    const float top = step_top > m ? step_top : m;
     const __m512 t = _mm512_set1_ps(top);
-    const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
-    const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+    *p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
+    *p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+    return top;
+}
+
+/* Online-softmax update of one row with the scores of up to 32 keys: returns the weights
+ * as 32 bf16 (key order), updates m and l with their rounded sum, and sets alpha. */
+static inline __attribute__((always_inline)) __m512i softmax_step32(__m512 raw0, __m512 raw1,
+                                                                    int seen, float scale_log2,
+                                                                    float *m, float *l,
+                                                                    float *alpha) {
+    __m512 p0, p1;
+    const float top = softmax_weights32(raw0, raw1, seen, scale_log2, *m, &p0, &p1);
     const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
     /* The weights P.V will use, widened back for their sum. */
     const __m512 lo = _mm512_castsi512_ps(

@@ -166,22 +166,14 @@ static inline __attribute__((always_inline)) void scores_rows_bytes(
             out[2 * j + half] = _mm512_add_epi32(even[half][j], odd[half][j]);
 }
 
-/* Online-softmax update of one row with the scores of up to 32 keys (the first `seen`
- * count), as `softmax_step32`, except the weights: p times the values' scales `vs`,
- * returned as 32 int16 words of `*unit` each (key order); l sums p itself. */
+/* Online-softmax update of one row with the scores of up to 32 keys, as `softmax_step32`
+ * except the weights: p times the values' scales `vs`, returned as 32 int16 words of
+ * `*unit` each (key order); l sums p itself. */
 static inline __attribute__((always_inline)) __m512i softmax_step32_words(
     __m512 raw0, __m512 raw1, int seen, float scale_log2, float *m, float *l, float *alpha,
     const float *vs, float *unit) {
-    const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
-    const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
-    const __m512 scale = _mm512_set1_ps(scale_log2), minus_inf = _mm512_set1_ps(-INFINITY);
-    const __m512 s0 = _mm512_mask_mov_ps(minus_inf, live0, _mm512_mul_ps(raw0, scale));
-    const __m512 s1 = _mm512_mask_mov_ps(minus_inf, live1, _mm512_mul_ps(raw1, scale));
-    const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-    const float top = step_top > *m ? step_top : *m;
-    const __m512 t = _mm512_set1_ps(top);
-    const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
-    const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+    __m512 p0, p1;
+    const float top = softmax_weights32(raw0, raw1, seen, scale_log2, *m, &p0, &p1);
     update_row(top, m, l, _mm512_reduce_add_ps(_mm512_add_ps(p0, p1)), alpha);
     const __m512 w0 = _mm512_mul_ps(p0, _mm512_load_ps(vs));
     const __m512 w1 = _mm512_mul_ps(p1, _mm512_load_ps(vs + 16));
