@@ -64,7 +64,7 @@ from typing import NamedTuple
 import torch
 
 BLOCK_ALIGN_BYTES = 256
-# A CPU pool of at least this many bytes lies on huge pages (``host_pool_memory``).
+# The huge page size; a CPU pool of two or more lies on them (``host_pool_memory``).
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
 # The dtype of a quantized pool's data, and of its scales.

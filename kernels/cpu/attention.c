@@ -216,7 +216,8 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                              : (4 * num_threads + num_tiles - 1) / num_tiles;
     const int64_t max_items = span > 0 ? num_spans : num_tiles * want;
     /* Room for `cut_by_heads`: fewer items than threads, each cut into one per KV head. */
-    Item *items = malloc(sizeof(Item) * (max_items + num_groups + 1 + (int64_t)num_threads * num_kv_heads));
+    Item *items =
+        malloc(sizeof(Item) * (max_items + num_groups + 1 + (int64_t)num_threads * num_kv_heads));
     Tile *tiles = malloc(sizeof(Tile) * (num_tiles + 1));
     int64_t *parts = malloc(sizeof(int64_t) * (max_items + num_tiles + 1));
     int32_t *shared_tokens = malloc(sizeof(int32_t) * (num_tokens + 1));
