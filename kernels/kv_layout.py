@@ -48,19 +48,25 @@ line, and keep blocks a multiple of 256 bytes. Rounding the scale up to bf16 mea
 A slot is ``block_id * block_size + offset`` (``-1`` = skip: padding).
 Block sizes are powers of two so kernels split a slot with shifts and masks.
 Block starts are 256-byte aligned: ``block_bytes`` is checked to be a multiple
-of 256 in ``new_kv_pool`` (the pool's base pointer is allocator-aligned).
+of 256 in ``new_kv_pool`` (the pool's base pointer is allocator-aligned; a CPU
+pool of 4 MiB or more starts on a 2 MiB huge page, ``host_pool_memory``).
 
 Refcounts and all other metadata live in host memory (cache/), never here.
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 BLOCK_ALIGN_BYTES = 256
+# The huge page size; a CPU pool of two or more lies on them (``host_pool_memory``).
+HUGE_PAGE_BYTES = 2 << 20
+MADV_HUGEPAGE = 14  # linux/mman.h
 # The dtype of a quantized pool's data, and of its scales.
 QUANT_DTYPE = torch.int8
 SCALE_DTYPE = torch.bfloat16
@@ -150,7 +156,31 @@ def new_kv_pool(
         shape.head_dim,
     )
     pin = pin_memory and torch.device(device).type == "cpu" and torch.cuda.is_available()
+    total = nbytes * num_blocks
+    if torch.device(device).type == "cpu" and not pin and total >= 2 * HUGE_PAGE_BYTES:
+        return host_pool_memory(total).view(dtype).view(dims)
     return torch.zeros(dims, dtype=dtype, device=device, pin_memory=pin)
+
+
+def host_pool_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed CPU memory from a 2 MiB boundary, advised to Linux as huge
+    pages (``madvise(MADV_HUGEPAGE)``, before the first touch).
+
+    Decode attention reads a sequence's blocks in table order, and they lie anywhere in
+    the pool: on 4 KiB pages each block of a layer costs TLB misses (its K rows, its V
+    rows and an int8 pool's scale slab are pages of their own), and the loads wait on page
+    walks. A default 1 GiB pool on 2 MiB pages fits the TLB (figures: docs/benchmarks.md,
+    "int8 KV"). Where transparent huge pages are off or the system is not Linux, the
+    advice does nothing and the memory is ordinary pages.
+    """
+    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    memory = raw[-raw.data_ptr() % HUGE_PAGE_BYTES :][:nbytes]  # a view: raw's storage lives on
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        whole_pages = nbytes - nbytes % HUGE_PAGE_BYTES
+        libc.madvise(memory.data_ptr(), whole_pages, MADV_HUGEPAGE)  # advice: failure is harmless
+    return memory.zero_()
 
 
 def num_layers(pool: torch.Tensor) -> int:

@@ -94,6 +94,25 @@ static void attend_item(const Args *a, const Item *it, float *scratch, float *pa
     attend_widening(a, it, scratch, partials, head_dim);
 }
 
+/* With fewer items than threads (a lone decode of up to a span's keys), the threads
+ * past them would only wait: each whole item (written out directly, its own tokens)
+ * becomes one item per KV head, appended (tiles keep their item indices). Returns the
+ * item count. */
+static int64_t cut_by_heads(Item *items, int64_t n, int32_t num_threads, int32_t num_kv_heads) {
+    if (n >= num_threads || num_kv_heads < 2) return n;
+    const int64_t whole = n;
+    for (int64_t i = 0; i < whole; i++) {
+        if (items[i].partial >= 0 || items[i].tokens) continue;
+        for (int32_t h = 1; h < num_kv_heads; h++) {
+            items[n] = items[i];
+            items[n].head_begin = h;
+            items[n++].head_end = h + 1;
+        }
+        items[i].head_end = 1;
+    }
+    return n;
+}
+
 /* Attention of the new tokens of sequences `seqs[0..num_seqs)` (indices into the
  * batch); rows of other sequences in `out` are left untouched. Strides are in
  * elements; K and V share theirs, and so do their scales (an int8 cache: `kv_dtype`
@@ -196,7 +215,9 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                              ? 1
                              : (4 * num_threads + num_tiles - 1) / num_tiles;
     const int64_t max_items = span > 0 ? num_spans : num_tiles * want;
-    Item *items = malloc(sizeof(Item) * (max_items + num_groups + 1));
+    /* Room for `cut_by_heads`: fewer items than threads, each cut into one per KV head. */
+    Item *items =
+        malloc(sizeof(Item) * (max_items + num_groups + 1 + (int64_t)num_threads * num_kv_heads));
     Tile *tiles = malloc(sizeof(Tile) * (num_tiles + 1));
     int64_t *parts = malloc(sizeof(int64_t) * (max_items + num_tiles + 1));
     int32_t *shared_tokens = malloc(sizeof(int32_t) * (num_tokens + 1));
@@ -217,7 +238,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
     int32_t filled = 0;
     for (int32_t g = 0; g < num_groups; g++) {
         Item it = {groups[g].leader, 0, 0, 0, groups[g].shared_blocks * block_size,
-                   partial_rows, shared_tokens + filled};
+                   partial_rows, shared_tokens + filled, 0, num_kv_heads};
         for (int32_t s = 0; s < num_seqs; s++) {
             if (group[s] != g) continue;
             for (int32_t t = query_start[seqs[s]]; t < query_start[seqs[s] + 1]; t++)
@@ -253,7 +274,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                 parts[num_parts++] = shared_offset[g] + (int64_t)(member_token[g] + begin) * num_q_heads;
             for (int64_t p = 0; p < slices; p++) {
                 Item it = {b, begin, end, key_begin + (int32_t)p * per_slice,
-                           key_begin + (int32_t)(p + 1) * per_slice, -1, NULL};
+                           key_begin + (int32_t)(p + 1) * per_slice, -1, NULL, 0, num_kv_heads};
                 if (split) {
                     it.partial = partial_rows;
                     parts[num_parts++] = partial_rows;
@@ -266,7 +287,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
         }
         if (g >= 0) member_token[g] += q_len;
     }
-    const int64_t num_items = n;
+    const int64_t num_items = cut_by_heads(items, n, num_threads, num_kv_heads);
 
     float *partials = partial_rows ? malloc(sizeof(float) * partial_rows * (head_dim + 2)) : NULL;
     const int64_t rows = (int64_t)q_tile * num_q_heads;

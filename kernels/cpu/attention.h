@@ -68,6 +68,9 @@ typedef struct {
      * belong to several sequences; `seq` is one of them. NULL: tokens q_begin..q_end
      * of `seq`. */
     const int32_t *tokens;
+    /* KV heads [head_begin, head_end) only: a lone whole item is cut by KV head so that
+     * every thread gets a part (a head's rows are computed alike either way). */
+    int32_t head_begin, head_end;
 } Item;
 
 /* A tile of one sequence's new tokens, its own items (first_item, num_items: the

@@ -219,7 +219,9 @@ static inline __attribute__((always_inline)) void item_end(const Args *a, const 
 #else
     (void)permuted;
 #endif
+    const int G = Hq / a->num_kv_heads;
     for (int r = 0; r < s->rows; r++) {
+        if ((r % Hq) / G < it->head_begin || (r % Hq) / G >= it->head_end) continue;
         const float *ar = s->acc + (int64_t)r * D;
 #if defined(__AVX512BF16__)
         if (permuted) {
@@ -292,7 +294,7 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
         }
         item_offsets(a, s.table, first, n, 0, rows0);
         if (path->pairs) item_offsets_ahead(a, s.table, first + keys, s.stop, 0, ahead0);
-        for (int h = 0; h < a->num_kv_heads; h++) {
+        for (int h = it->head_begin; h < it->head_end; h++) {
             const int64_t head = (int64_t)h * a->kv_stride_head;
             for (int t = 0; t < n; t++) offsets[t] = rows0[t] + head;
             if (path->pairs)

@@ -6,6 +6,8 @@ over the K/V before quantization within the quantization's)."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from kernels.attention_inputs import AttentionInputs
 from kernels.cpu.attention import paged_attention_native
 from kernels.kv_layout import (
     BLOCK_ALIGN_BYTES,
+    HUGE_PAGE_BYTES,
     KVShape,
     layer_kv,
     new_kv_pool,
@@ -47,6 +50,34 @@ def test_a_smollm2_block_holds_its_scales_and_keeps_the_alignment():
     for layers, head_dim in ((1, 16), (30, 64), (32, 64), (33, 64), (80, 128), (7, 16)):
         pool = new_kv_pool(1, KVShape(layers, 4, 2, head_dim), torch.int8, "cpu")
         assert num_layers(pool) == layers
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's flags of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32])
+def test_a_large_cpu_pool_lies_on_huge_pages_zeroed(dtype):
+    shape = KVShape(30, 16, 3, 64)
+    num_blocks = -(-5 * HUGE_PAGE_BYTES // shape.block_bytes(dtype))  # over 4 MiB: advised
+    pool = new_kv_pool(num_blocks, shape, dtype, "cpu")
+    assert pool.shape == (num_blocks, shape.pool_layers(dtype), 2, 16, 3, 64)
+    assert pool.is_contiguous() and pool.dtype == dtype
+    assert pool.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not pool.view(torch.uint8).any()
+    if sys.platform.startswith("linux"):  # MADV_HUGEPAGE marks the mapping "hg"
+        assert "hg" in _vm_flags(pool.data_ptr())
+    small = new_kv_pool(2, KVShape(2, 4, 2, 16), dtype, "cpu")  # tests' pools: plain zeros
+    assert not small.any()
 
 
 def test_scales_lie_inside_their_block_and_move_with_it():

@@ -111,6 +111,38 @@ def test_one_long_sequence_is_split_across_threads_and_merged(q_len, dtype):
     _check([1600], [q_len], 16, 2, 3, 64, dtype)
 
 
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_a_lone_short_sequence_is_cut_by_kv_head_with_the_same_bits(q_len, kv_int8, dtype):
+    # One item for two threads: it is cut into one per KV head. Every head's rows must be
+    # written (out starts as NaN) and be the bits one thread gives with the whole item.
+    case = make_paged_case([130], 16, 3, 64, dtype, kv_dtype=torch.int8 if kv_int8 else None)
+    query, starts = extend_inputs(case, [q_len], 9)
+    scale = 1 / math.sqrt(64)
+    inputs = AttentionInputs(
+        query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, scale
+    )
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            out = torch.full_like(query, float("nan"))
+            seqs = torch.zeros(1, dtype=torch.int32)
+            paged_attention_native(inputs, seqs, out, scales=case.scales)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert not outs[1].isnan().any()
+    assert torch.equal(
+        outs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        outs[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
+    if not kv_int8:
+        assert_close(outs[1], extend_oracle(case, query, [q_len]), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 4, 32])
 def test_key_tiles_across_small_and_large_blocks(block_size, dtype):
