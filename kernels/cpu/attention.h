@@ -122,6 +122,12 @@ static inline __attribute__((always_inline)) void prefetch_kv(const void *p) {
     __builtin_prefetch(p, 0, 1);
 }
 
+/* The block table entry of key position `pos` >= 0: block sizes are powers of two, and
+ * a shift spares the walk an integer division per key (a division by a runtime size). */
+static inline int32_t table_block(const int32_t *table, int32_t pos, int block_size) {
+    return table[pos >> __builtin_ctz((unsigned)block_size)];
+}
+
 /* Bytes of one element of a cache of `kv_dtype`. */
 static inline int kv_item_size(int kv_dtype) {
     return kv_dtype == DTYPE_F32 ? 4 : kv_dtype == DTYPE_INT8 ? 1 : 2;

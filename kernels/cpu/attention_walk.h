@@ -50,10 +50,10 @@ static inline void prefetch_scales(const Args *a, const int32_t *table, int32_t 
     const int bs = a->block_size;
     const int64_t line = 32; /* bf16 scales per cache line */
     for (int32_t pos = first; pos < first + keys && pos < stop;) {
-        int32_t end = (pos / bs + 1) * bs; /* this block's keys end here */
+        int32_t end = (pos | (bs - 1)) + 1; /* this block's keys end here */
         end = end < first + keys ? end : first + keys;
         end = end < stop ? end : stop;
-        const int64_t base = (int64_t)table[pos / bs] * a->scale_stride_block;
+        const int64_t base = (int64_t)table_block(table, pos, bs) * a->scale_stride_block;
         const int64_t lo = base + (int64_t)(pos & (bs - 1)) * a->scale_stride_slot;
         const int64_t hi = base + (int64_t)((end - 1) & (bs - 1)) * a->scale_stride_slot +
                            (int64_t)(a->num_kv_heads - 1) * a->scale_stride_head;
@@ -129,7 +129,7 @@ static inline __attribute__((always_inline)) void item_offsets(const Args *a,
     const int bs = a->block_size;
     for (int t = 0; t < n; t++) {
         const int32_t pos = first + t;
-        offsets[t] = (int64_t)table[pos / bs] * a->kv_stride_block +
+        offsets[t] = (int64_t)table_block(table, pos, bs) * a->kv_stride_block +
                      (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
                      (int64_t)h * a->kv_stride_head;
     }
@@ -169,7 +169,7 @@ static inline __attribute__((always_inline)) void item_scales(const Args *a, con
                 continue;
             }
             const int32_t pos = first + g;
-            const int64_t block = table[pos / bs];
+            const int64_t block = table_block(table, pos, bs);
             const int slot = pos & (bs - 1);
             _mm512_store_ps(ks + g, gather_scales16(a->k_scale, a, block, slot, h, live));
             _mm512_store_ps(vs + g, gather_scales16(a->v_scale, a, block, slot, h, live));
@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void item_scales(const Args *a, con
             continue;
         }
         const int32_t pos = first + t;
-        const int64_t at = (int64_t)table[pos / bs] * a->scale_stride_block +
+        const int64_t at = (int64_t)table_block(table, pos, bs) * a->scale_stride_block +
                            (int64_t)(pos & (bs - 1)) * a->scale_stride_slot +
                            (int64_t)h * a->scale_stride_head;
         ks[t] = bf16_to_f32(a->k_scale[at]);
@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void item_offsets_ahead(const Args 
     for (int t = 0; t < 2 * TILE; t++) {
         const int32_t pos = first + t;
         offsets[t] = pos >= stop ? -1
-                                 : (int64_t)table[pos / bs] * a->kv_stride_block +
+                                 : (int64_t)table_block(table, pos, bs) * a->kv_stride_block +
                                        (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
                                        (int64_t)h * a->kv_stride_head;
     }
@@ -288,7 +288,8 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
         const int n = s.stop - first < keys ? s.stop - first : keys;
         if (!path->pairs) {
             const int32_t next = first + (bs > TILE ? bs : TILE);
-            if (next < s.stop && (first & (bs - 1)) == 0) prefetch_block(a, s.table[next / bs]);
+            if (next < s.stop && (first & (bs - 1)) == 0)
+                prefetch_block(a, table_block(s.table, next, bs));
         } else if (quantized) {
             prefetch_scales(a, s.table, first + keys, s.stop, keys);
         }
