@@ -153,6 +153,31 @@ static inline __m512 gather_scales16(const uint16_t *scales, const Args *a, int6
 }
 #endif
 
+#if defined(__AVX512BW__)
+/* The same from two masked 64-byte loads and a word permute, where a block's 16 slots of
+ * scales lie within 64 words (up to 4 KV heads, heads adjacent): a 16-lane gather is
+ * microcoded and took a sixth of the byte dots' time in perf. */
+static inline __m512 permute_scales16(const uint16_t *scales, const Args *a, int64_t block,
+                                      int slot, int h, int live) {
+    const int stride = (int)a->scale_stride_slot;
+    const uint16_t *base = scales + block * a->scale_stride_block + (int64_t)slot * stride;
+    const int span = (live - 1) * stride + h + 1; /* words up to the last live scale */
+    const __mmask32 lo_mask = span >= 32 ? ~(__mmask32)0 : ((__mmask32)1 << span) - 1;
+    const __mmask32 hi_mask = span <= 32   ? 0
+                              : span >= 64 ? ~(__mmask32)0
+                                           : ((__mmask32)1 << (span - 32)) - 1;
+    const __m512i lo = _mm512_maskz_loadu_epi16(lo_mask, base);
+    const __m512i hi = _mm512_maskz_loadu_epi16(hi_mask, base + 32);
+    const __m256i lanes = _mm256_set_epi16(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m256i index = _mm256_add_epi16(_mm256_mullo_epi16(lanes, _mm256_set1_epi16((short)stride)),
+                                           _mm256_set1_epi16((short)h));
+    const __m512i words = _mm512_permutex2var_epi16(lo, _mm512_castsi256_si512(index), hi);
+    const __mmask16 mask = live >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1u);
+    const __m512i dwords = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)), 16);
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(mask, dwords));
+}
+#endif
+
 /* An int8 cache's scales of KV head h's rows for the n keys from position `first`, as
  * fp32 (ks for K, vs for V); zeros past n. */
 static inline __attribute__((always_inline)) void item_scales(const Args *a, const int32_t *table,
@@ -171,6 +196,13 @@ static inline __attribute__((always_inline)) void item_scales(const Args *a, con
             const int32_t pos = first + g;
             const int64_t block = table_block(table, pos, bs);
             const int slot = pos & (bs - 1);
+#if defined(__AVX512BW__)
+            if (a->scale_stride_head == 1 && a->scale_stride_slot <= 4) {
+                _mm512_store_ps(ks + g, permute_scales16(a->k_scale, a, block, slot, h, live));
+                _mm512_store_ps(vs + g, permute_scales16(a->v_scale, a, block, slot, h, live));
+                continue;
+            }
+#endif
             _mm512_store_ps(ks + g, gather_scales16(a->k_scale, a, block, slot, h, live));
             _mm512_store_ps(vs + g, gather_scales16(a->v_scale, a, block, slot, h, live));
         }
