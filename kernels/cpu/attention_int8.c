@@ -23,7 +23,7 @@
  * biased key byte <= 255 over 256 dims stay under 2^23; 32 weights <= 255 times
  * |v| <= 127 under 2^21.
  *
- * The acc dim order is the bf16 pair paths' (`acc_dim`, attention.h): the quads' sums
+ * The acc dim order is the bf16 pair paths' (attention.h): the quads' sums
  * are permuted into it once per row and step (`add_quad_sums`). */
 
 #include "attention_walk.h"

@@ -241,7 +241,7 @@ static inline __attribute__((always_inline)) void item_offsets_ahead(const Args 
 
 /* Write the item's rows: its partial states (m, l, acc) where it is one piece of a
  * tile, else acc / l into the output. `permuted`: acc holds the dot-pair paths' dim
- * order (`acc_dim`), put back here. */
+ * order (attention.h), put back here. */
 static inline __attribute__((always_inline)) void item_end(const Args *a, const Item *it,
                                                            const ItemState *s, float *partials,
                                                            const int D, const int permuted) {
@@ -297,7 +297,7 @@ typedef void (*ItemPrepareFn)(const Args *a, const Item *it, const ItemState *s,
 
 typedef struct {
     /* 1: a pair path (dot pairs, tile unit): the query rows kept as bf16, acc in the pair
-     * order (`acc_dim`), 32 keys per step and the next step's rows prefetched per head.
+     * order (attention.h), 32 keys per step and the next step's rows prefetched per head.
      * 0: the widening loops: fp32 query rows times the scale, 16 keys per step and the
      * next block prefetched. */
     int pairs;
