@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,7 @@ from kernels.extend_attention import paged_extend_attention_torch
 from kernels.extend_metadata import extend_metadata
 from kernels.kv_layout import KVShape, layer_kv, new_kv_pool
 from kernels.kv_quant import quantize_rows
+from kernels.step.bind import StepDims, bind_step
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
@@ -110,9 +112,22 @@ def case_fns(
     return paths
 
 
-def kv_dtype_fns(context: int, batch: int, dtype: torch.dtype, lib=None):
+class DecodeBatch(NamedTuple):
+    """What ``bind_step`` reads of a decode step (``kernels.step.ops.StepBatch``)."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    is_decode: bool = True
+    max_query_len: int = 1
+
+
+def kv_dtype_fns(context: int, batch: int, dtype: torch.dtype):
     """Decodes of ``batch`` sequences over ``context`` tokens: the native kernel over K/V
-    in ``dtype`` ("float") and over the same K/V quantized to int8 ("int8")."""
+    in ``dtype`` ("float") and over the same K/V quantized to int8 ("int8"), called as the
+    engine calls it: the step bound once (``kernels.step.bind_step``, the index tensors
+    and the pool's addresses resolved there), then each layer's ``attention``."""
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
     num_blocks = batch * per_seq + 1
@@ -128,18 +143,20 @@ def kv_dtype_fns(context: int, batch: int, dtype: torch.dtype, lib=None):
             quantized[kv].copy_(q)
             quantized.scales[kv].copy_(scale)
     tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(torch.int32)
-    starts = torch.arange(batch + 1, dtype=torch.int32)
-    lens = torch.full((batch,), context, dtype=torch.int32)
+    step = DecodeBatch(
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64),
+        block_tables=tables,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        context_lens=torch.full((batch,), context, dtype=torch.int32),
+    )
     query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    seqs = torch.arange(batch, dtype=torch.int32)
-    out = torch.empty_like(query)
+    dims = StepDims(Q_HEADS, HEAD_DIM**-0.5, 1e-5, dtype)
 
     def path(pool):
         def run() -> torch.Tensor:
+            ops = bind_step(step, pool, dims, backend="native")
             for index in range(LAYERS):
-                k, v, scales = layer_kv(pool, index)
-                inputs = AttentionInputs(query, k, v, tables, starts, lens, HEAD_DIM**-0.5)
-                paged_attention_native(inputs, seqs, out, lib, scales=scales)
+                out = ops.attention(index, query)
             return out
 
         return run

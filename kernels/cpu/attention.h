@@ -122,6 +122,12 @@ static inline __attribute__((always_inline)) void prefetch_kv(const void *p) {
     __builtin_prefetch(p, 0, 1);
 }
 
+/* The block table entry of key position `pos` >= 0: block sizes are powers of two, and
+ * a shift spares the walk an integer division per key (a division by a runtime size). */
+static inline int32_t table_block(const int32_t *table, int32_t pos, int block_size) {
+    return table[pos >> __builtin_ctz((unsigned)block_size)];
+}
+
 /* Bytes of one element of a cache of `kv_dtype`. */
 static inline int kv_item_size(int kv_dtype) {
     return kv_dtype == DTYPE_F32 ? 4 : kv_dtype == DTYPE_INT8 ? 1 : 2;
@@ -197,21 +203,22 @@ static inline __attribute__((always_inline)) __m512 exp2_nonpositive16(__m512 x)
  * output row stays a convex combination. Keys go 32 per softmax update (two 16-key
  * tiles), which halves the serial part of a row's update (reductions, alpha) per key.
  * The unpacks work within 128-bit lanes, so acc holds each 32 dims as two vectors
- * of dims {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31}; rows are put
- * back in order when they leave the item (`unpermute_row`). */
+ * of dims {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} (the pair
+ * order); rows are put back in order when they leave the item (`unpermute_row`). */
 
 static inline __m512i load_bf16x32(const void *base, int64_t offset) {
     return _mm512_loadu_si512((const uint16_t *)base + offset);
 }
 
-/* Dims of acc slot p (see above). */
-static inline int acc_dim(int p) {
-    const int lane = p % 16;
-    return (p / 32) * 32 + (lane / 4) * 8 + ((p / 16) % 2) * 4 + lane % 4;
-}
-
 static inline void unpermute_row(const float *acc, float *row, const int D) {
-    for (int p = 0; p < D; p++) row[acc_dim(p)] = acc[p];
+    /* Dims 0-15 of each 32 are lanes 0-1 of A and B in turn, dims 16-31 lanes 2-3. */
+    const __m512i low = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i high = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int g = 0; g < D; g += 32) {
+        const __m512 a = _mm512_loadu_ps(acc + g), b = _mm512_loadu_ps(acc + g + 16);
+        _mm512_storeu_ps(row + g, _mm512_permutex2var_ps(a, low, b));
+        _mm512_storeu_ps(row + g + 16, _mm512_permutex2var_ps(a, high, b));
+    }
 }
 
 /* kt[(half * D / 2 + i) * 16 + t] (as dwords) = dims (2i, 2i + 1) of key 16 * half + t;

@@ -8,21 +8,23 @@
  *           one operand unsigned, so the keys go in biased by 128 and the row's
  *           128 * sum(q) comes off the exact int32 sum. A score is then
  *           float(sum) * (the row's scale * the key's scale).
- *   P.V:    the 32 weights of a step times their values' scales, quantized to int16
- *           against the step's largest (15 bits: finer than the bf16 weights of the
- *           float caches), V sign-extended to int16 and interleaved by key pairs as
- *           the bf16 pairs are, vpdpwssd into int32, times the step's unit into acc.
- *           l sums the weights themselves (fp32).
+ *   P.V:    the 32 weights of a step times their values' scales, quantized to
+ *           unsigned bytes against the step's largest (8 bits: each weight within
+ *           1/510 of the largest, the bf16 weights' error for the weights that count),
+ *           V as stored, interleaved by key quads (one dword = one dim of 4 keys),
+ *           vpdpbusd into int32 (4 keys per instruction), times the step's unit into
+ *           acc. l sums the weights themselves (fp32).
  *
  * Integer sums are exact, so a row's result depends only on its own query, its keys
  * and the fixed 32-key steps of its span: the batch and cache-state invariance of the
  * float paths holds. Against the float64 oracle a query's rounding to int8 moves a
  * score by at most half its step times the key's L1 norm, the size of the cache's own
  * rounding of the key (tests/kernels/test_kv_int8.py). Overflow: |q| <= 127 and a
- * biased key byte <= 255 over 256 dims stay under 2^23; 32 weights <= 32767 times
- * |v| <= 127 under 2^28.
+ * biased key byte <= 255 over 256 dims stay under 2^23; 32 weights <= 255 times
+ * |v| <= 127 under 2^21.
  *
- * The acc dim order is the bf16 pair paths' (`acc_dim`, attention.h). */
+ * The acc dim order is the bf16 pair paths' (attention.h): the quads' sums
+ * are permuted into it once per row and step (`add_quad_sums`). */
 
 #include "attention_walk.h"
 
@@ -118,25 +120,33 @@ static inline void load_k_bytes(const Args *a, const int64_t *offsets, const int
     }
 }
 
-/* vv[(k * D / 16 + c) * 16 ..] (dwords) = chunk c of key pair k as int16 words, the two
- * keys interleaved (the layout of `load_v_pairs`); zeros past n. Only `pairs` pairs. */
-static inline void load_v_words(const Args *a, const int64_t *offsets, int n, int pairs,
-                                const int D, int32_t *restrict vv) {
-    const __m512i zero = _mm512_setzero_si512();
+/* Dims rounded up to whole 64-byte rows: the quads' layout works in 64 dims. */
+static inline int quad_dims(const int D) { return (D + 63) / 64 * 64; }
+
+/* vq[(k * P / 16 + 4 * (c / 64) + j) * 16 + 4 * L + p] (bytes in dword order) = dim
+ * c + 16 L + 4 j + p of keys 4k .. 4k + 3, one byte each (P = quad_dims(D)); zeros past n
+ * and past D. Only `quads` quads. */
+static inline void load_v_quads(const Args *a, const int64_t *offsets, int n, int quads,
+                                const int D, int32_t *restrict vq) {
     const int8_t *v = (const int8_t *)a->v;
-    for (int k = 0; k < pairs; k++) {
-        const int t = 2 * k;
-        for (int c = 0; c < D; c += 32) {
-            const __m512i x =
-                t < n ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v + offsets[t] + c)))
-                      : zero;
-            const __m512i y =
-                t + 1 < n
-                    ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v + offsets[t + 1] + c)))
-                    : zero;
-            int32_t *dst = vv + ((int64_t)k * (D / 16) + c / 16) * 16;
-            _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
-            _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(x, y));
+    const int P = quad_dims(D);
+    for (int k = 0; k < quads; k++) {
+        for (int c = 0; c < D; c += 64) {
+            const int bytes = D - c < 64 ? D - c : 64;
+            const __mmask64 mask = bytes == 64 ? ~(__mmask64)0 : ((__mmask64)1 << bytes) - 1;
+            __m512i r[4];
+            for (int i = 0; i < 4; i++)
+                r[i] = 4 * k + i < n ? _mm512_maskz_loadu_epi8(mask, v + offsets[4 * k + i] + c)
+                                     : _mm512_setzero_si512();
+            /* Bytes of keys (0, 1) and (2, 3) side by side, then the two pairs: within
+             * each 128-bit lane, as the unpacks work. */
+            const __m512i lo01 = _mm512_unpacklo_epi8(r[0], r[1]), hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
+            const __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
+            int32_t *dst = vq + ((int64_t)k * (P / 16) + c / 16) * 16;
+            _mm512_store_si512(dst, _mm512_unpacklo_epi16(lo01, lo23));
+            _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(lo01, lo23));
+            _mm512_store_si512(dst + 32, _mm512_unpacklo_epi16(hi01, hi23));
+            _mm512_store_si512(dst + 48, _mm512_unpackhi_epi16(hi01, hi23));
         }
     }
 }
@@ -167,9 +177,9 @@ static inline __attribute__((always_inline)) void scores_rows_bytes(
 }
 
 /* Online-softmax update of one row with the scores of up to 32 keys, as `softmax_step32`
- * except the weights: p times the values' scales `vs`, returned as 32 int16 words of
- * `*unit` each (key order); l sums p itself. */
-static inline __attribute__((always_inline)) __m512i softmax_step32_words(
+ * except the weights: p times the values' scales `vs`, returned as 32 unsigned bytes of
+ * `*unit` each (key order, 4 to a dword: dword k = quad k); l sums p itself. */
+static inline __attribute__((always_inline)) __m512i softmax_step32_bytes(
     __m512 raw0, __m512 raw1, int seen, float scale_log2, float *m, float *l, float *alpha,
     const float *vs, float *unit) {
     __m512 p0, p1;
@@ -182,32 +192,51 @@ static inline __attribute__((always_inline)) __m512i softmax_step32_words(
         *unit = 0.0f;
         return _mm512_setzero_si512();
     }
-    const __m512 to_words = _mm512_set1_ps(32767.0f / most);
-    const __m512i top_word = _mm512_set1_epi32(32767);
-    const __m512i q0 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w0, to_words)), top_word);
-    const __m512i q1 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w1, to_words)), top_word);
-    *unit = most / 32767.0f;
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)),
-                              _mm512_cvtepi32_epi16(q1), 1);
+    const __m512 to_bytes = _mm512_set1_ps(255.0f / most);
+    const __m512i top_byte = _mm512_set1_epi32(255);
+    const __m512i q0 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w0, to_bytes)), top_byte);
+    const __m512i q1 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w1, to_bytes)), top_byte);
+    *unit = most / 255.0f;
+    const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q0)),
+                                                  _mm512_cvtepi32_epi8(q1), 1);
+    return _mm512_castsi256_si512(bytes);
 }
 
-/* acc = acc * alpha + unit * (sum over key pairs of the pair's words . V pair k). */
-static inline __attribute__((always_inline)) void accumulate_row_words(
-    float *acc, float alpha, __m512i words, float unit, int pairs, const int32_t *vv,
-    const int D) {
-    __m512i x[D / 16];
-    for (int c = 0; c < D / 16; c++) x[c] = _mm512_setzero_si512();
-    for (int k = 0; k < pairs; k++) {
-        const __m512i w = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), words);
-        for (int c = 0; c < D / 16; c++)
-            x[c] = _mm512_dpwssd_epi32(x[c], w,
-                                       _mm512_load_si512(vv + ((int64_t)k * (D / 16) + c) * 16));
-    }
+/* acc = acc * alpha + unit * sums, the quads' int32 sums `x` (4 vectors per 64 dims,
+ * `load_v_quads` order) put into the pair order: each 32 dims of acc take lanes 0-1
+ * (then 2-3) of x[0], x[2] (A) and of x[1], x[3] (B). */
+static inline __attribute__((always_inline)) void add_quad_sums(float *acc, float alpha,
+                                                                const __m512i *x, float unit,
+                                                                const int D) {
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     const __m512 u = _mm512_set1_ps(unit), keep = _mm512_set1_ps(alpha);
-    for (int c = 0; c < D / 16; c++)
-        _mm512_store_ps(acc + 16 * c,
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(x[c]), u,
-                                        _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), keep)));
+    for (int g = 0; g < D / 32; g++) { /* 32 dims: two acc vectors */
+        const __m512i *w = x + 4 * (g / 2);
+        const __m512i index = g % 2 ? second : first;
+        const __m512i sums[2] = {_mm512_permutex2var_epi32(w[0], index, w[2]),
+                                 _mm512_permutex2var_epi32(w[1], index, w[3])};
+        for (int half = 0; half < 2; half++) {
+            float *dst = acc + 32 * g + 16 * half;
+            _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[half]), u,
+                                                 _mm512_mul_ps(_mm512_load_ps(dst), keep)));
+        }
+    }
+}
+
+/* acc = acc * alpha + unit * (sum over key quads of the quad's bytes . V quad k). */
+static inline __attribute__((always_inline)) void accumulate_row_bytes(
+    float *acc, float alpha, __m512i bytes, float unit, int quads, const int32_t *vq,
+    const int D) {
+    const int P = quad_dims(D);
+    __m512i x[P / 16];
+    for (int c = 0; c < P / 16; c++) x[c] = _mm512_setzero_si512();
+    for (int k = 0; k < quads; k++) {
+        const __m512i w = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), bytes);
+        for (int c = 0; c < P / 16; c++)
+            x[c] = _mm512_dpbusd_epi32(x[c], w, _mm512_load_si512(vq + ((int64_t)k * (P / 16) + c) * 16));
+    }
+    add_quad_sums(acc, alpha, x, unit, D);
 }
 
 /* One step of up to 2 x 16 keys of one KV head against the rows of that head. */
@@ -218,7 +247,7 @@ static inline __attribute__((always_inline)) void tile_head_bytes(
     const QueryBytes b = query_bytes(s, D);
     float *acc = s->acc, *m = s->m, *l = s->l;
     uint32_t *kt = (uint32_t *)s->kt;
-    int32_t *vv = (int32_t *)s->v_tile;
+    int32_t *vq = (int32_t *)s->v_tile; /* 32 * quad_dims(D) bytes: inside TILE * D floats */
     const int32_t prefix = s->prefix;
     const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
@@ -226,7 +255,7 @@ static inline __attribute__((always_inline)) void tile_head_bytes(
     int most = prefix + (q_end - 1) - first + 1;
     most = most > n ? n : most;
     load_k_bytes(a, offsets, ahead, n, D, kt);
-    load_v_words(a, offsets, n, (most + 1) / 2, D, vv);
+    load_v_quads(a, offsets, n, (most + 3) / 4, D, vq);
     const __m512 k_scale0 = _mm512_load_ps(s->ks), k_scale1 = _mm512_load_ps(s->ks + TILE);
     for (int i = q_begin; i < q_end; i++) {
         int seen = prefix + i - first + 1;
@@ -255,10 +284,10 @@ static inline __attribute__((always_inline)) void tile_head_bytes(
                     _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j + 1], bias)),
                     _mm512_mul_ps(k_scale1, row_scale));
                 float alpha, unit;
-                const __m512i words = softmax_step32_words(raw0, raw1, seen, a->scale_log2, &m[r],
+                const __m512i bytes = softmax_step32_bytes(raw0, raw1, seen, a->scale_log2, &m[r],
                                                            &l[r], &alpha, s->vs, &unit);
-                accumulate_row_words(acc + (int64_t)r * D, alpha, words, unit, (seen + 1) / 2,
-                                     vv, D);
+                accumulate_row_bytes(acc + (int64_t)r * D, alpha, bytes, unit, (seen + 3) / 4,
+                                     vq, D);
             }
         }
     }

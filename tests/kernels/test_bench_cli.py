@@ -65,6 +65,16 @@ def test_cpu_attention_bench_baseline_is_a_second_build_that_agrees(tmp_path, mo
     assert_close(fns["baseline"]().clone(), fns["native"](), torch.bfloat16)
 
 
+def test_cpu_attention_int8_bench_times_the_same_attention_over_both_kv_dtypes():
+    # The engine's call path (bound once, per-layer attention) over the same K/V in bf16
+    # and quantized to int8: the answers differ by the quantization only.
+    fns = cpu_attention.kv_dtype_fns(context=300, batch=2, dtype=torch.bfloat16)
+    assert set(fns) == {"float", "int8"}
+    floats, quantized = fns["float"]().float(), fns["int8"]().float()
+    assert floats.shape == quantized.shape == (2, 9, 64) and floats.abs().sum() > 0
+    torch.testing.assert_close(quantized, floats, atol=0.01, rtol=0.05)
+
+
 def test_torch_attention_bench_times_two_paths_that_agree():
     fns = torch_attention.case_fns(q_len=5, context=300, batch=2, dtype=torch.float32)
     assert set(fns) == {"grouped", "spans"}

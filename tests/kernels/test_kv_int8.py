@@ -208,8 +208,21 @@ def test_the_torch_reference_over_int8_kv_matches_the_oracle(dtype):
     check_int8([290, 45], [40, 45], 32, 2, 3, 64, dtype, backend="torch")
 
 
-def test_head_sizes_other_than_64():
-    check_int8([23, 40], [1, 4], 8, 2, 2, 128, torch.bfloat16)
+@pytest.mark.parametrize("num_kv_heads", [1, 4, 5])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_scales_of_any_head_count_reach_the_byte_dots(num_kv_heads, block_size):
+    # Up to 4 KV heads a block's 16 slots of scales are read by a word permute, beyond by
+    # a gather: each head must get its own scales either way.
+    check_int8([40, 77, 9], [1, 3, 9], block_size, num_kv_heads, 2, 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_head_sizes_other_than_64(head_dim):
+    # bf16 queries take the byte dots, whose V quads work in 64 dims (32 and 96: a tail).
+    check_int8([23, 40], [1, 4], 8, 2, 2, head_dim, torch.bfloat16)
+
+
+def test_a_small_head_size_on_the_widening_loops():
     check_int8([23, 40], [1, 4], 8, 2, 2, 16, torch.float32)
 
 
