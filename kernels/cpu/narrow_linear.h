@@ -1,7 +1,8 @@
 /* What the files of the narrow-weight linears share (kernels/cpu/narrow_linear*.c).
  *
- *   narrow_linear.c         the entry, the packing, the row tiles on AVX2 + FMA
+ *   narrow_linear.c         the entry and the row tiles on AVX2 + FMA
  *   narrow_linear_avx512.c  the row tiles on AVX-512 (builds for CPUs that have it)
+ *   narrow_pack.c           the packing of a matrix into the blocks
  *
  * Both sum every output the one way narrow_linear.c's comment describes, so a build's
  * results do not depend on which tiles ran them. Everything here trusts its arguments:

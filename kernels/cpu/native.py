@@ -57,6 +57,7 @@ SOURCES = tuple(
         "tile_linear.c",
         "narrow_linear.c",
         "narrow_linear_avx512.c",
+        "narrow_pack.c",
         "pair_linear.c",
     )
 )
