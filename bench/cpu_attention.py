@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import NamedTuple
 
 import torch
 
 from bench.model_step import interleaved_medians
+from chatsvc.engine.forward_batch import ForwardBatch
 from kernels.attention_inputs import AttentionInputs
 from kernels.cpu import native
 from kernels.cpu.attention import paged_attention_native
@@ -112,17 +112,6 @@ def case_fns(
     return paths
 
 
-class DecodeBatch(NamedTuple):
-    """What ``bind_step`` reads of a decode step (``kernels.step.ops.StepBatch``)."""
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    query_start_loc: torch.Tensor
-    context_lens: torch.Tensor
-    is_decode: bool = True
-    max_query_len: int = 1
-
-
 def kv_dtype_fns(context: int, batch: int, dtype: torch.dtype):
     """Decodes of ``batch`` sequences over ``context`` tokens: the native kernel over K/V
     in ``dtype`` ("float") and over the same K/V quantized to int8 ("int8"), called as the
@@ -143,11 +132,9 @@ def kv_dtype_fns(context: int, batch: int, dtype: torch.dtype):
             quantized[kv].copy_(q)
             quantized.scales[kv].copy_(scale)
     tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(torch.int32)
-    step = DecodeBatch(
-        slot_mapping=torch.full((batch,), -1, dtype=torch.int64),
-        block_tables=tables,
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
-        context_lens=torch.full((batch,), context, dtype=torch.int32),
+    # One new token per sequence at position context - 1; its KV write skipped (slot -1).
+    step = ForwardBatch.from_lists(
+        [[0]] * batch, [context - 1] * batch, [[-1]] * batch, tables.tolist(), BLOCK
     )
     query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
     dims = StepDims(Q_HEADS, HEAD_DIM**-0.5, 1e-5, dtype)
