@@ -244,39 +244,22 @@ static int run(const Problem *p, int wide, int32_t num_threads) {
  * the format's `chatsvc_narrow_linear_pack_*`; `scale` [n] for int8 (ignored for
  * the others). bias and residual may be NULL. Returns 0, or -1 where this build has no
  * AVX2 + FMA or the format is unknown (nothing is written then), or scratch memory
- * ran out (int8 with more than WIDEN_ONCE_ROWS rows; out is then incomplete). Runs the
- * AVX-512 tiles in a build for a CPU that has them, else the AVX2 ones. */
+ * ran out (int8 with more than WIDEN_ONCE_ROWS rows; out is then incomplete).
+ * `wide_tiles` 1: the AVX-512 tiles in a build for a CPU that has them, else the AVX2
+ * ones; 0: the AVX2 tiles whatever the build (the tests hold both to the same bits). */
 int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const void *packed,
                           int32_t format, const float *scale, int64_t n, int64_t k,
                           const float *bias, const float *residual, int64_t residual_stride,
-                          float *out, int64_t out_stride, int32_t num_threads) {
+                          float *out, int64_t out_stride, int32_t wide_tiles,
+                          int32_t num_threads) {
 #if defined(CHATSVC_NARROW_LINEAR)
     const Problem p = {x, x_stride, m, packed, format, n, k, scale, bias, residual,
                        residual_stride, out, out_stride};
-    return run(&p, 1, num_threads);
+    return run(&p, wide_tiles != 0, num_threads);
 #else
     (void)x, (void)x_stride, (void)m, (void)packed, (void)format, (void)scale, (void)n, (void)k;
     (void)bias, (void)residual, (void)residual_stride, (void)out, (void)out_stride;
-    (void)num_threads;
-    return -1;
-#endif
-}
-
-/* `chatsvc_narrow_linear` on the AVX2 tiles whatever the build: the tests hold the two
- * builds' tiles to the same bits on one machine. */
-int chatsvc_narrow_linear_avx2(const float *x, int64_t x_stride, int64_t m, const void *packed,
-                               int32_t format, const float *scale, int64_t n, int64_t k,
-                               const float *bias, const float *residual,
-                               int64_t residual_stride, float *out, int64_t out_stride,
-                               int32_t num_threads) {
-#if defined(CHATSVC_NARROW_LINEAR)
-    const Problem p = {x, x_stride, m, packed, format, n, k, scale, bias, residual,
-                       residual_stride, out, out_stride};
-    return run(&p, 0, num_threads);
-#else
-    (void)x, (void)x_stride, (void)m, (void)packed, (void)format, (void)scale, (void)n, (void)k;
-    (void)bias, (void)residual, (void)residual_stride, (void)out, (void)out_stride;
-    (void)num_threads;
+    (void)wide_tiles, (void)num_threads;
     return -1;
 #endif
 }

@@ -118,8 +118,7 @@ def narrow_linear(
     check_linear_inputs(x, weight.shape, torch.float32, bias, residual)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     lib = native.require()
-    kernel = lib.chatsvc_narrow_linear_avx2 if avx2_tiles else lib.chatsvc_narrow_linear
-    status = kernel(
+    status = lib.chatsvc_narrow_linear(
         x.data_ptr(),
         x.stride(0),
         x.shape[0],
@@ -133,6 +132,7 @@ def narrow_linear(
         0 if residual is None else residual.stride(0),
         out.data_ptr(),
         out.stride(0),
+        0 if avx2_tiles else 1,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -300,15 +300,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         pack = getattr(lib, f"chatsvc_narrow_linear_pack_{fmt}")
         pack.restype = None
         pack.argtypes = [ptr, i64, i64, i64, ptr]  # w, row stride, n, k, packed
-    for narrow in (lib.chatsvc_narrow_linear, lib.chatsvc_narrow_linear_avx2):
-        narrow.restype = ctypes.c_int
-        narrow.argtypes = [
-            ptr, i64, i64,  # x (fp32), row stride, rows
-            ptr, i32, ptr,  # packed weight, format, scale (int8; NULL for bf16)
-            i64, i64,  # out features, in features
-            ptr, ptr, i64,  # bias, residual, residual row stride (NULL: none)
-            ptr, i64, i32,  # out, row stride, num_threads
-        ]  # fmt: skip
+    narrow = lib.chatsvc_narrow_linear
+    narrow.restype = ctypes.c_int
+    narrow.argtypes = [
+        ptr, i64, i64,  # x (fp32), row stride, rows
+        ptr, i32, ptr,  # packed weight, format, scale (int8; NULL for bf16)
+        i64, i64,  # out features, in features
+        ptr, ptr, i64,  # bias, residual, residual row stride (NULL: none)
+        ptr, i64, i32, i32,  # out, row stride, wide tiles (0: AVX2 ones), num_threads
+    ]  # fmt: skip
     lib.chatsvc_narrow_linear_available.restype = ctypes.c_int
     lib.chatsvc_narrow_linear_available.argtypes = []
     lib.chatsvc_pair_linear_packed_elements.restype = i64

@@ -230,7 +230,7 @@ def test_a_build_without_avx2_refuses(tmp_path, monkeypatch):
     weight = pack_bf16_weight(w)
     out = torch.full((4, 32), 7.0)
     args = (x.data_ptr(), 64, 4, weight.packed.data_ptr())
-    rest = (None, 32, 64, None, None, 0, out.data_ptr(), 32, 1)
+    rest = (None, 32, 64, None, None, 0, out.data_ptr(), 32, 1, 1)
     if AVAILABLE:
         assert native.require().chatsvc_narrow_linear(*args, 3, *rest) == -1
     monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
