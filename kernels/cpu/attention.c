@@ -60,6 +60,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "exports.h"
 
 /* Blocks per slice at least, when a sequence is split (below that, the merge
  * costs more than the idle thread would). */

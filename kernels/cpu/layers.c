@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "exports.h"
 
 /* Work (elements) from which a call splits its rows across the team: below it the
  * wake-up costs more than the second core gives. */

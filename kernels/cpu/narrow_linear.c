@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "exports.h"
 #include "narrow_linear.h"
 
 #if defined(__AVX2__) && defined(__FMA__)

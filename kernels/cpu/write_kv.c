@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "exports.h"
 
 void chatsvc_write_kv(const void *key, int64_t key_stride_t, int64_t key_stride_h,
                       const void *value, int64_t value_stride_t, int64_t value_stride_h,
