@@ -12,6 +12,8 @@ Per layer (T new tokens, shapes in comments):
 The attention, the KV write and the element-wise layers are the step's kernels,
 bound once per step (``kernels.step.bind.bind_step``: which backend and which kernel
 runs is decided there); the linears are the weight layout's (``kernels.linear``).
+Where the step's backend can run the whole loop itself (the native one, for matrices
+in narrow blocks: ``kernels.cpu.decoder``), it does, in one call and to the same bits.
 K and V are read and written only through those kernels. Logits are computed only for
 each sequence's last new token.
 """
@@ -25,9 +27,10 @@ from chatsvc.engine.forward_batch import ForwardBatch
 from chatsvc.engine.layers import RotaryTables
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
+from kernels.cpu.decoder import LayerWeights, decoder_weights
 from kernels.kv_layout import QUANT_DTYPE, KVShape, scale_layers_for
 from kernels.linear import LINEARS, choose_layout, exact_in_bf16
-from kernels.step.bind import StepDims, bind_step
+from kernels.step.bind import StepDims, StepOps, bind_step
 
 
 class LlamaModel:
@@ -100,6 +103,21 @@ class LlamaModel:
                 layer.down_weight = pack(layer.down_weight)
             # The embedding stays plain for lookups; a tied head gets its own packed copy.
             self._lm_head = pack(weights.lm_head)
+        # The layers as the native step's one-call loop reads them (None: it cannot).
+        self.native_layers = decoder_weights(
+            [
+                LayerWeights(
+                    layer.input_norm,
+                    layer.post_norm,
+                    layer.qkv_weight,
+                    layer.qkv_bias,
+                    layer.o_weight,
+                    layer.gate_up_weight,
+                    layer.down_weight,
+                )
+                for layer in weights.layers
+            ]
+        )
 
     def kv_shape(self, block_size: int) -> KVShape:
         """The KV pool shape this model needs for a given block size (a pool of it holds
@@ -149,17 +167,27 @@ class LlamaModel:
         changes. Raises ValueError when the pool does not fit the model.
         """
         self._check(batch, kv_pool)
-        c, w = self.config, self.weights
-        num_tokens = batch.num_tokens
-        q_size, kv_size = c.q_size, c.kv_size
-        heads_qk = c.num_heads + c.num_kv_heads
-        mm, mm_add = self.linears.linear, self.linears.linear_add
-
+        w = self.weights
         cos, sin = self.rope.lookup(batch.positions)  # [T, 1, D]
         # The only way to the kernels: bound once for all layers, backend chosen there.
         ops = bind_step(batch, kv_pool, self.step_dims, invariant=self.invariant)
         h = F.embedding(batch.input_ids, w.embed)  # [T, hidden]
-        for layer_id, layer in enumerate(w.layers):
+        done = ops.decoder_layers(self.native_layers, h, cos, sin)
+        h = self._layers(ops, h, cos, sin) if done is None else done
+        last = h.index_select(0, batch.logits_indices)  # [B, hidden]
+        last = ops.rms_norm(last, w.final_norm)
+        return self.linears.linear(last, self._lm_head).float()  # [B, vocab]
+
+    def _layers(
+        self, ops: StepOps, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer loop, one kernel call at a time."""
+        c = self.config
+        num_tokens = h.shape[0]
+        q_size, kv_size = c.q_size, c.kv_size
+        heads_qk = c.num_heads + c.num_kv_heads
+        mm, mm_add = self.linears.linear, self.linears.linear_add
+        for layer_id, layer in enumerate(self.weights.layers):
             x = ops.rms_norm(h, layer.input_norm)
             qkv = mm(x, layer.qkv_weight, layer.qkv_bias)  # [T, q + 2kv]
             qk = qkv[:, : q_size + kv_size].view(num_tokens, heads_qk, c.head_dim)
@@ -173,10 +201,7 @@ class LlamaModel:
             x = ops.rms_norm(h, layer.post_norm)
             act = ops.swiglu(mm(x, layer.gate_up_weight))  # [T, I]
             h = mm_add(act, layer.down_weight, h)
-
-        last = h.index_select(0, batch.logits_indices)  # [B, hidden]
-        last = ops.rms_norm(last, w.final_norm)
-        return mm(last, self._lm_head).float()  # [B, vocab]
+        return h
 
     __call__ = forward
 

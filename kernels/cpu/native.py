@@ -59,12 +59,20 @@ SOURCES = tuple(
         "narrow_linear_avx512.c",
         "narrow_pack.c",
         "pair_linear.c",
+        "decoder.c",
     )
 )
 # Included by the sources: in the key.
 HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("common.h", "amx.h", "attention.h", "attention_walk.h", "narrow_linear.h")
+    for name in (
+        "common.h",
+        "exports.h",
+        "amx.h",
+        "attention.h",
+        "attention_walk.h",
+        "narrow_linear.h",
+    )
 )
 LIBRARY = "chatsvc_kernels"
 # No -ffast-math: the kernel relies on -inf comparisons; -fno-trapping-math lets floorf inline.
@@ -325,6 +333,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.chatsvc_pair_linear_available.restype = ctypes.c_int
     lib.chatsvc_pair_linear_available.argtypes = []
+    lib.chatsvc_decoder_layers.restype = ctypes.c_int
+    lib.chatsvc_decoder_layers.argtypes = [ptr]  # a DecoderStep (kernels/cpu/decoder.py)
+    lib.chatsvc_decoder_sizes.restype = None
+    lib.chatsvc_decoder_sizes.argtypes = [ptr, ptr]  # int64 out: the step's, a layer's
 
 
 def library() -> ctypes.CDLL | None:

@@ -8,17 +8,21 @@ call checks its row count and layer id and launches. The step's attention metada
 lists the sequences the C attention takes (up to ``native_max_query`` new tokens)
 and groups the longer runs for the torch path's SDPA. An int8 pool (``kernels.kv_layout``)
 takes every run to the C attention (the groups read float caches), its scales addressed
-like its rows.
+like its rows. ``decoder_layers`` runs all of a step's layers in one C call
+(``kernels.cpu.decoder``) where the model's matrices are narrow blocks.
 """
 
 from __future__ import annotations
+
+import ctypes
+import math
 
 import torch
 
 from kernels import invariance
 from kernels.backend import KernelChoice, native_takes
-from kernels.cpu import native
-from kernels.cpu.attention import NO_SCALES, launch_attention
+from kernels.cpu import decoder, native
+from kernels.cpu.attention import NATIVE_Q_TILE, NO_SCALES, launch_attention
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
 from kernels.kv_layout import is_quantized, scale_views
@@ -132,3 +136,74 @@ class NativeStep(StepOps):
             k_cache, v_cache = self.layer_caches(layer)
             attend_groups(query, k_cache, v_cache, self.metadata, self.scale, out)
         return out
+
+    def decoder_layers(
+        self,
+        weights: decoder.DecoderWeights | None,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """All layers in ``chatsvc_decoder_layers`` (see ``StepOps.decoder_layers``): an
+        fp32 step whose attention is all in C (no SDPA groups) over the pool's layers."""
+        if (
+            weights is None
+            or self.metadata.groups
+            or self.dtype != torch.float32
+            or weights.num_layers != self.num_layers
+        ):
+            return None
+        pool = self.kv_pool
+        num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
+        q_size = self.query_shape[1] * head_dim
+        if tuple(h.shape) != (self.num_tokens, weights.hidden) or h.dtype != torch.float32:
+            raise ValueError(f"decoder_layers of a {self.num_tokens}-token step got {h.shape}")
+        if weights.qkv_rows != q_size + 2 * num_kv_heads * head_dim:
+            raise ValueError("the layers' qkv rows do not match the pool's heads")
+        h = h.contiguous()
+        cos = cos.reshape(self.num_tokens, head_dim).contiguous()
+        sin = sin.reshape(self.num_tokens, head_dim).contiguous()
+        rows = decoder.scratch(weights, self.num_tokens, q_size)
+        scales = self._scales or (None, 0)
+        step = decoder.DecoderStep(
+            layers=ctypes.addressof(weights.array),
+            num_layers=self.num_layers,
+            hidden=weights.hidden,
+            num_q_heads=self.query_shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate=weights.intermediate,
+            eps=self.eps,
+            scale_log2=self.scale * math.log2(math.e),
+            kv=pool.data_ptr(),
+            layer_bytes=self._layer_bytes,
+            v_bytes=self._v_bytes,
+            kv_stride_block=self._cache_strides[0],
+            kv_stride_slot=self._cache_strides[1],
+            kv_stride_head=self._cache_strides[2],
+            block_size=pool.shape[3],
+            kv_dtype=self._kv_code,
+            scales=scales[0],
+            scale_layer_bytes=self._scale_layer_bytes if self._scales else 0,
+            v_scale_bytes=scales[1],
+            scale_stride_block=self._scale_strides[0] if self._scales else 0,
+            scale_stride_slot=self._scale_strides[1] if self._scales else 0,
+            scale_stride_head=self._scale_strides[2] if self._scales else 0,
+            tokens=self.num_tokens,
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            slots=self._slots.data_ptr(),
+            block_tables=self._tables.data_ptr(),
+            table_stride=self._tables.stride(0),
+            query_start=self._starts.data_ptr(),
+            context_lens=self._lens.data_ptr(),
+            seqs=self._seqs.data_ptr(),
+            num_seqs=self._seqs.numel(),
+            q_tile=NATIVE_Q_TILE,
+            span=self._span,
+            num_threads=self._threads,
+            h=h.data_ptr(),
+            **{name: t.data_ptr() for name, t in zip(decoder.ROWS, rows, strict=True)},
+        )
+        decoder.run(self._lib, step)
+        return h

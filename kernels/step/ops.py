@@ -10,6 +10,9 @@ layer then calls:
     rms_norm(x, weight)   rope_(qk, cos, sin)   swiglu(gate_up)
     write_kv(layer, k, v)                       attention(layer, q)
 
+or, where the backend runs a model's whole layer loop itself (the native one, for
+narrow-block matrices), the model calls ``decoder_layers`` once instead.
+
 Contract with the caller (the model): the batch's value ranges (slots, block ids,
 context lengths) were checked against the pool, and per layer it passes tensors of
 the shapes the step was bound for: ``x`` / ``gate_up`` 2-D, ``query`` / ``key`` /
@@ -138,3 +141,13 @@ class StepOps:
     def attention(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         """Paged attention of the step's ``query [T, H_q, D]`` over layer ``layer``'s cache."""
         raise NotImplementedError
+
+    def decoder_layers(
+        self, weights: object, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Every layer of the step in one call, where this backend can: ``h [T, hidden]``
+        (the embeddings) becomes the last layer's output, in place, and is returned; the
+        KV writes are the layer loop's. None where it cannot (then nothing changed and the
+        model runs its layers one call at a time). ``weights``: the backend's own form of
+        the model's layers (``kernels.cpu.decoder.decoder_weights`` for the native one)."""
+        return None

@@ -35,10 +35,18 @@ class PagedDriver:
     """Runs sequences through ``LlamaModel.forward`` over a paged pool whose blocks are
     handed out in a shuffled order, so every block table is non-contiguous."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int = 64, block_size: int = 16, seed=0):
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        seed=0,
+        kv_dtype: torch.dtype | None = None,
+    ):
         self.model = model
         self.block_size = block_size
-        self.pool = new_kv_pool(num_blocks, model.kv_shape(block_size), model.dtype, model.device)
+        shape, dtype = model.kv_shape(block_size), kv_dtype or model.dtype
+        self.pool = new_kv_pool(num_blocks, shape, dtype, model.device)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.tables: dict[str, list[int]] = {}
@@ -69,5 +77,6 @@ class PagedDriver:
 
 @pytest.fixture
 def paged_driver():
-    """Factory: ``paged_driver(model, num_blocks=64, block_size=16, seed=0)``."""
+    """Factory: ``paged_driver(model, num_blocks=64, block_size=16, seed=0, kv_dtype=None)``
+    (None: KV in the model's dtype)."""
     return PagedDriver

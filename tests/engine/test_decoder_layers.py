@@ -1,0 +1,132 @@
+"""The layers in one native call (kernels.cpu.decoder): an fp32 model over narrow-block
+matrices runs its whole layer loop in ``chatsvc_decoder_layers``, and every logit and
+every KV byte it writes are the bits of the model's own loop, one kernel call at a time."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from chatsvc.engine.llama import LlamaModel
+from chatsvc.engine.loader import load_model
+from chatsvc.engine.model_config import ModelConfig
+from chatsvc.engine.weights_random import random_weights
+from kernels.backend import narrow_linears_available
+from kernels.cpu import decoder
+from kernels.cpu.decoder import LayerWeights, decoder_weights
+
+pytestmark = pytest.mark.skipif(
+    not narrow_linears_available("cpu", torch.float32) and platform.machine() != "x86_64",
+    reason="the narrow-block linears are written for x86's AVX2",
+)
+
+
+def _turns(seed: int) -> list[dict[str, list[int]]]:
+    """A prefill of two prompts, a step with a decode beside a three-token extend, and
+    two decodes: every kind of row the engine's steps hold."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(100, 20000, (n,), generator=g).tolist()
+
+    return [{"a": ids(37), "b": ids(5)}, {"a": ids(1), "b": ids(3)}, {"a": ids(1), "b": ids(1)}]
+
+
+def _run_both(model: LlamaModel, paged_driver, monkeypatch, kv_dtype, seed=0):
+    """Logits and pool of the same turns with the one call and with the loop, and how many
+    times the one call ran in each."""
+    calls = []
+    real_run = decoder.run
+    monkeypatch.setattr(decoder, "run", lambda lib, step: (calls.append(1), real_run(lib, step)))
+    saved = model.native_layers
+    assert saved is not None
+    results = {}
+    try:
+        for one_call in (True, False):
+            model.native_layers = saved if one_call else None
+            calls.clear()
+            driver = paged_driver(model, num_blocks=16, kv_dtype=kv_dtype)
+            logits = [driver.step(turn) for turn in _turns(seed)]
+            results[one_call] = (logits, driver.pool, len(calls))
+    finally:
+        model.native_layers = saved
+    return results[True], results[False]
+
+
+@pytest.fixture(scope="module", params=["int8", "bf16", "fp32"])
+def narrow_model(request) -> LlamaModel:
+    return load_model("smollm2", dtype="fp32", weight_dtype=request.param).model
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["kv-model-dtype", "kv-int8"])
+def test_the_layers_in_one_call_write_and_answer_the_loops_bits(
+    narrow_model, kv_dtype, paged_driver, monkeypatch
+):
+    one_call, loop = _run_both(narrow_model, paged_driver, monkeypatch, kv_dtype)
+    assert (one_call[2], loop[2]) == (3, 0)  # every step took the one call; the loop none
+    for got, want in zip(one_call[0], loop[0], strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(one_call[1], loop[1])  # K, V and an int8 pool's scales
+
+
+def test_a_qkv_bias_reaches_the_one_call(paged_driver, monkeypatch):
+    # Qwen2's projections carry a bias: a small model of its shape, random weights.
+    config = ModelConfig.from_hf_dict(
+        {
+            "model_type": "qwen2",
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 256,
+            "vocab_size": 20480,
+            "max_position_embeddings": 512,
+        }
+    )
+
+    def model(bias: bool) -> LlamaModel:
+        weights = random_weights(config, torch.float32, "cpu", seed=3)
+        gen = torch.Generator().manual_seed(4)
+        for layer in weights.layers:
+            layer.qkv_bias.normal_(0.0, 0.5 if bias else 0.0, generator=gen)
+        return LlamaModel(config, weights, weight_dtype="int8")
+
+    one_call, loop = _run_both(model(True), paged_driver, monkeypatch, None, seed=1)
+    assert (one_call[2], loop[2]) == (3, 0)
+    for got, want in zip(one_call[0], loop[0], strict=True):
+        assert torch.equal(got, want)
+    # The bias counts: the same model without it answers otherwise.
+    without, _ = _run_both(model(False), paged_driver, monkeypatch, None, seed=1)
+    assert not torch.equal(without[0][0], one_call[0][0])
+
+
+def test_only_narrow_block_matrices_in_fp32_take_the_one_call():
+    hidden, inter, qkv = 64, 128, 128
+    norm = torch.ones(hidden)
+
+    def layer(matrix) -> LayerWeights:
+        return LayerWeights(
+            norm,
+            norm,
+            matrix(torch.randn(qkv, hidden)),
+            None,
+            matrix(torch.randn(hidden, hidden)),
+            matrix(torch.randn(2 * inter, hidden)),
+            matrix(torch.randn(hidden, inter)),
+        )
+
+    from kernels.cpu.narrow_linear import pack_int8_weight
+
+    packed = decoder_weights([layer(pack_int8_weight)] * 2)
+    assert packed is not None and packed.num_layers == 2
+    assert (packed.hidden, packed.intermediate, packed.qkv_rows) == (hidden, inter, qkv)
+    assert decoder_weights([layer(lambda m: m)]) is None  # plain matrices: the loop
+    bf16_norms = layer(pack_int8_weight)._replace(input_norm=norm.bfloat16())
+    assert decoder_weights([bf16_norms]) is None
+    wrong_down = layer(pack_int8_weight)._replace(down=pack_int8_weight(torch.randn(64, 64)))
+    assert decoder_weights([wrong_down]) is None
+    # A model whose layout is not narrow blocks has none.
+    bf16_model = load_model("random:smollm2-135m", dtype="bf16").model
+    assert bf16_model.native_layers is None
