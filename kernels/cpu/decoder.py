@@ -1,6 +1,8 @@
 """A step's decoder layers in one C call (``kernels/cpu/decoder.c``): the layer loop of
-an fp32 model whose matrices are narrow blocks (``kernels.cpu.narrow_linear``), run by
-the native step (``kernels.step.native_step.NativeStep.decoder_layers``).
+a model whose matrices are all in one native linear's layout, run by the native step
+(``kernels.step.native_step.NativeStep.decoder_layers``): an fp32 model over narrow
+blocks (``kernels.cpu.narrow_linear``), a bf16 model over dot pairs
+(``kernels.cpu.pair_linear``) or tiles (``kernels.cpu.tile_linear``).
 
 The C loop calls the kernels the model's Python loop calls, in its order, with its
 arguments: the results are the same bits (tests/kernels/test_decoder.py). It exists
@@ -24,8 +26,15 @@ import torch
 
 from kernels.cpu import native
 from kernels.cpu.narrow_linear import FORMATS, NarrowWeight
+from kernels.cpu.pair_linear import PairWeight
+from kernels.cpu.tile_linear import TileWeight
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+# decoder.c's LINEAR_*: each packed weight type, the linear it runs on, and the dtype
+# of a model whose matrices these are (the rows, norms and biases).
+LINEAR_KINDS = {NarrowWeight: 0, PairWeight: 1, TileWeight: 2}
+STEP_DTYPES = {NarrowWeight: torch.float32, PairWeight: torch.bfloat16, TileWeight: torch.bfloat16}
 
 
 class DecoderMatrix(ctypes.Structure):
@@ -35,6 +44,7 @@ class DecoderMatrix(ctypes.Structure):
         ("bias", _ptr),
         ("n", _i64),
         ("k", _i64),
+        ("kind", _i32),
         ("format", _i32),
     ]
 
@@ -58,6 +68,7 @@ class DecoderStep(ctypes.Structure):
         ("intermediate", _i64),
         ("eps", _f32),
         ("scale_log2", _f32),
+        ("dtype", _i32),
         ("kv", _ptr),
         *((name, _i64) for name in ("layer_bytes", "v_bytes", "kv_stride_block")),
         *((name, _i64) for name in ("kv_stride_slot", "kv_stride_head", "block_size")),
@@ -83,13 +94,13 @@ class DecoderStep(ctypes.Structure):
 class LayerWeights(NamedTuple):
     """One decoder layer's tensors as the model holds them."""
 
-    input_norm: torch.Tensor  # [hidden] fp32
-    post_norm: torch.Tensor  # [hidden] fp32
-    qkv: NarrowWeight  # [q + 2 kv, hidden]
-    qkv_bias: torch.Tensor | None  # [q + 2 kv] fp32
-    o: NarrowWeight  # [hidden, q]
-    gate_up: NarrowWeight  # [2 I, hidden]
-    down: NarrowWeight  # [hidden, I]
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: object  # [q + 2 kv, hidden], a packed weight of LINEAR_KINDS (or not: no call)
+    qkv_bias: torch.Tensor | None  # [q + 2 kv]
+    o: object  # [hidden, q]
+    gate_up: object  # [2 I, hidden]
+    down: object  # [hidden, I]
 
 
 class DecoderWeights(NamedTuple):
@@ -98,6 +109,7 @@ class DecoderWeights(NamedTuple):
 
     array: ctypes.Array
     tensors: tuple
+    dtype: torch.dtype  # of the step: its rows, the norms and biases
     hidden: int
     intermediate: int
     qkv_rows: int
@@ -107,40 +119,45 @@ class DecoderWeights(NamedTuple):
         return len(self.array)
 
 
-def _matrix(weight: NarrowWeight, bias: torch.Tensor | None = None) -> DecoderMatrix:
+def _matrix(weight, bias: torch.Tensor | None = None) -> DecoderMatrix:
     n, k = weight.shape
+    narrow = isinstance(weight, NarrowWeight)
     return DecoderMatrix(
         weight.packed.data_ptr(),
-        None if weight.scale is None else weight.scale.data_ptr(),
+        weight.scale.data_ptr() if narrow and weight.scale is not None else None,
         None if bias is None else bias.data_ptr(),
         n,
         k,
-        FORMATS[weight.format],
+        LINEAR_KINDS[type(weight)],
+        FORMATS[weight.format] if narrow else 0,
     )
 
 
-def _fp32_vector(t: torch.Tensor | None, size: int) -> bool:
+def _vector(t: torch.Tensor | None, size: int, dtype: torch.dtype) -> bool:
     return t is None or (
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
         and tuple(t.shape) == (size,)
     )  # fmt: skip
 
 
 def decoder_weights(layers: Sequence[LayerWeights]) -> DecoderWeights | None:
     """The layers packed for ``chatsvc_decoder_layers``; None where they cannot run there:
-    a matrix not in narrow blocks, or norms / biases not contiguous fp32 CPU vectors
-    (a model in bf16), or shapes that do not chain."""
+    matrices not all of one type of ``LINEAR_KINDS``, norms or biases that are not
+    contiguous CPU vectors of that type's ``STEP_DTYPES`` (a bf16 model over narrow
+    blocks, whose linears widen their rows first), or shapes that do not chain."""
     if not layers:
         return None
     first = layers[0]
-    if not all(isinstance(m, NarrowWeight) for m in (first.qkv, first.o, first.gate_up)):
+    kind = type(first.qkv)
+    if kind not in LINEAR_KINDS:
         return None
+    dtype = STEP_DTYPES[kind]
     hidden, qkv_rows = first.qkv.shape[1], first.qkv.shape[0]
     intermediate = first.gate_up.shape[0] // 2
     kept = []
     for layer in layers:
         matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if not all(isinstance(m, NarrowWeight) for m in matrices):
+        if not all(type(m) is kind for m in matrices):
             return None
         shapes = tuple(m.shape for m in matrices)
         if shapes[0] != (qkv_rows, hidden) or shapes[2] != (2 * intermediate, hidden):
@@ -148,7 +165,7 @@ def decoder_weights(layers: Sequence[LayerWeights]) -> DecoderWeights | None:
         if shapes[3] != (hidden, intermediate) or shapes[1][0] != hidden:
             return None
         vectors = ((layer.input_norm, hidden), (layer.post_norm, hidden))
-        if not all(_fp32_vector(t, n) for t, n in (*vectors, (layer.qkv_bias, qkv_rows))):
+        if not all(_vector(t, n, dtype) for t, n in (*vectors, (layer.qkv_bias, qkv_rows))):
             return None
         kept.extend(layer)
     check_sizes(native.require())
@@ -165,7 +182,7 @@ def decoder_weights(layers: Sequence[LayerWeights]) -> DecoderWeights | None:
             for layer in layers
         )
     )
-    return DecoderWeights(array, tuple(kept), hidden, intermediate, qkv_rows)
+    return DecoderWeights(array, tuple(kept), dtype, hidden, intermediate, qkv_rows)
 
 
 def check_sizes(lib: ctypes.CDLL) -> None:
@@ -185,7 +202,7 @@ ROWS = ("h2", "x", "qkv", "o", "gate_up", "act")
 
 
 def scratch(weights: DecoderWeights, tokens: int, q_size: int) -> tuple[torch.Tensor, ...]:
-    """The step's ``ROWS``, carved from one tensor."""
+    """The step's ``ROWS`` in its dtype, carved from one tensor."""
     sizes = (
         weights.hidden,
         weights.hidden,
@@ -194,7 +211,7 @@ def scratch(weights: DecoderWeights, tokens: int, q_size: int) -> tuple[torch.Te
         2 * weights.intermediate,
         weights.intermediate,
     )
-    flat = torch.empty(tokens * sum(sizes), dtype=torch.float32)
+    flat = torch.empty(tokens * sum(sizes), dtype=weights.dtype)
     return tuple(
         part.view(tokens, size)
         for part, size in zip(flat.split([tokens * s for s in sizes]), sizes, strict=True)
@@ -207,4 +224,4 @@ def run(lib: ctypes.CDLL, step: DecoderStep) -> None:
     if status == -1:
         raise MemoryError("the native attention kernel could not allocate its scratch memory")
     if status != 0:
-        raise RuntimeError("a narrow-weight linear did not run: no memory for its scratch")
+        raise RuntimeError("a linear did not run: no memory for its scratch, or no tile unit")

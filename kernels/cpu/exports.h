@@ -53,4 +53,14 @@ int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const voi
                           float *out, int64_t out_stride, int32_t wide_tiles,
                           int32_t num_threads);
 
+int chatsvc_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                   int64_t n, int64_t k, const uint16_t *bias, const uint16_t *residual,
+                   int64_t residual_stride, uint16_t *out, int64_t out_stride,
+                   int32_t num_threads);
+
+int chatsvc_pair_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                        int64_t n, int64_t k, const uint16_t *bias, const uint16_t *residual,
+                        int64_t residual_stride, uint16_t *out, int64_t out_stride,
+                        int32_t num_threads);
+
 #endif

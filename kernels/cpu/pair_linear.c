@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "exports.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

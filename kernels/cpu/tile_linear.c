@@ -26,6 +26,7 @@
 
 #include "amx.h"
 #include "common.h"
+#include "exports.h"
 
 #if defined(CHATSVC_AMX)
 #include <omp.h>

@@ -144,19 +144,20 @@ class NativeStep(StepOps):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor | None:
-        """All layers in ``chatsvc_decoder_layers`` (see ``StepOps.decoder_layers``): an
-        fp32 step whose attention is all in C (no SDPA groups) over the pool's layers."""
+        """All layers in ``chatsvc_decoder_layers`` (see ``StepOps.decoder_layers``): a step
+        in the layers' dtype whose attention is all in C (no SDPA groups), over the pool's
+        layers."""
         if (
             weights is None
             or self.metadata.groups
-            or self.dtype != torch.float32
+            or self.dtype != weights.dtype
             or weights.num_layers != self.num_layers
         ):
             return None
         pool = self.kv_pool
         num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
         q_size = self.query_shape[1] * head_dim
-        if tuple(h.shape) != (self.num_tokens, weights.hidden) or h.dtype != torch.float32:
+        if tuple(h.shape) != (self.num_tokens, weights.hidden) or h.dtype != self.dtype:
             raise ValueError(f"decoder_layers of a {self.num_tokens}-token step got {h.shape}")
         if weights.qkv_rows != q_size + 2 * num_kv_heads * head_dim:
             raise ValueError("the layers' qkv rows do not match the pool's heads")
@@ -175,6 +176,7 @@ class NativeStep(StepOps):
             intermediate=weights.intermediate,
             eps=self.eps,
             scale_log2=self.scale * math.log2(math.e),
+            dtype=native.DTYPE_CODES[self.dtype],
             kv=pool.data_ptr(),
             layer_bytes=self._layer_bytes,
             v_bytes=self._v_bytes,
