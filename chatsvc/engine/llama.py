@@ -13,7 +13,8 @@ The attention, the KV write and the element-wise layers are the step's kernels,
 bound once per step (``kernels.step.bind.bind_step``: which backend and which kernel
 runs is decided there); the linears are the weight layout's (``kernels.linear``).
 Where the step's backend can run the whole loop itself (the native one, for matrices
-in narrow blocks: ``kernels.cpu.decoder``), it does, in one call and to the same bits.
+in a native linear's layout: ``kernels.cpu.decoder``), it does, in one call and to the
+same bits.
 K and V are read and written only through those kernels. Logits are computed only for
 each sequence's last new token.
 """

@@ -9,7 +9,7 @@ lists the sequences the C attention takes (up to ``native_max_query`` new tokens
 and groups the longer runs for the torch path's SDPA. An int8 pool (``kernels.kv_layout``)
 takes every run to the C attention (the groups read float caches), its scales addressed
 like its rows. ``decoder_layers`` runs all of a step's layers in one C call
-(``kernels.cpu.decoder``) where the model's matrices are narrow blocks.
+(``kernels.cpu.decoder``) where the model's matrices are in a native linear's layout.
 """
 
 from __future__ import annotations
@@ -165,7 +165,10 @@ class NativeStep(StepOps):
         cos = cos.reshape(self.num_tokens, head_dim).contiguous()
         sin = sin.reshape(self.num_tokens, head_dim).contiguous()
         rows = decoder.scratch(weights, self.num_tokens, q_size)
-        scales = self._scales or (None, 0)
+        # An int8 pool's scales: layer 0's K scales, V's distance, a layer's, strides.
+        scales = (None, 0, 0, (0, 0, 0))
+        if self._scales is not None:
+            scales = (*self._scales, self._scale_layer_bytes, self._scale_strides)
         step = decoder.DecoderStep(
             layers=ctypes.addressof(weights.array),
             num_layers=self.num_layers,
@@ -186,11 +189,11 @@ class NativeStep(StepOps):
             block_size=pool.shape[3],
             kv_dtype=self._kv_code,
             scales=scales[0],
-            scale_layer_bytes=self._scale_layer_bytes if self._scales else 0,
             v_scale_bytes=scales[1],
-            scale_stride_block=self._scale_strides[0] if self._scales else 0,
-            scale_stride_slot=self._scale_strides[1] if self._scales else 0,
-            scale_stride_head=self._scale_strides[2] if self._scales else 0,
+            scale_layer_bytes=scales[2],
+            scale_stride_block=scales[3][0],
+            scale_stride_slot=scales[3][1],
+            scale_stride_head=scales[3][2],
             tokens=self.num_tokens,
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),

@@ -11,7 +11,7 @@ layer then calls:
     write_kv(layer, k, v)                       attention(layer, q)
 
 or, where the backend runs a model's whole layer loop itself (the native one, for
-narrow-block matrices), the model calls ``decoder_layers`` once instead.
+matrices in a native linear's layout), the model calls ``decoder_layers`` once instead.
 
 Contract with the caller (the model): the batch's value ranges (slots, block ids,
 context lengths) were checked against the pool, and per layer it passes tensors of
