@@ -212,8 +212,13 @@ class SentinelTopology:
         primary = self.primary_port()
         return next(n for p, n in self.nodes.items() if p != primary and n.is_running())
 
-    def wait_healthy(self, primary_port: int, timeout_s: float = 60) -> None:
-        """Until every live replica streams from ``primary_port`` and each Sentinel knows it."""
+    def wait_healthy(self, primary_port: int, timeout_s: float = 180) -> None:
+        """Until every live replica streams from ``primary_port`` and each Sentinel knows it.
+
+        A readiness wait: on a loaded 2-core machine (the suite's other worker running
+        the engine on both cores) a Sentinel's pings can go unanswered past
+        ``down_after_ms`` and it keeps a replica marked down until the load passes; a
+        start-up once gave up after 60 s that way."""
         replicas = [n for p, n in self.nodes.items() if p != primary_port and n.is_running()]
 
         def linked(node: ValkeyProcess) -> bool:
