@@ -210,10 +210,16 @@ static inline __m512i load_bf16x32(const void *base, int64_t offset) {
     return _mm512_loadu_si512((const uint16_t *)base + offset);
 }
 
+/* The two-source permute that takes 128-bit lanes 0-1 (`high` 0) or 2-3 (`high` 1) of
+ * A and B in turn: A's lane, B's lane, A's next, B's next. Dims 0-15 of a 32-dim group
+ * in the pair order are lanes 0-1 of its A and B vectors, dims 16-31 lanes 2-3. */
+static inline __m512i pair_lanes_index(int high) {
+    return high ? _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8)
+                : _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+}
+
 static inline void unpermute_row(const float *acc, float *row, const int D) {
-    /* Dims 0-15 of each 32 are lanes 0-1 of A and B in turn, dims 16-31 lanes 2-3. */
-    const __m512i low = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i high = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    const __m512i low = pair_lanes_index(0), high = pair_lanes_index(1);
     for (int g = 0; g < D; g += 32) {
         const __m512 a = _mm512_loadu_ps(acc + g), b = _mm512_loadu_ps(acc + g + 16);
         _mm512_storeu_ps(row + g, _mm512_permutex2var_ps(a, low, b));

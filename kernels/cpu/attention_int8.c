@@ -208,8 +208,7 @@ static inline __attribute__((always_inline)) __m512i softmax_step32_bytes(
 static inline __attribute__((always_inline)) void add_quad_sums(float *acc, float alpha,
                                                                 const __m512i *x, float unit,
                                                                 const int D) {
-    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    const __m512i first = pair_lanes_index(0), second = pair_lanes_index(1);
     const __m512 u = _mm512_set1_ps(unit), keep = _mm512_set1_ps(alpha);
     for (int g = 0; g < D / 32; g++) { /* 32 dims: two acc vectors */
         const __m512i *w = x + 4 * (g / 2);
