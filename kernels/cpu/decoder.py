@@ -197,7 +197,7 @@ def check_sizes(lib: ctypes.CDLL) -> None:
         )
 
 
-# The step's fp32 rows besides h, in DecoderStep's names.
+# The step's rows besides h (in its dtype), in DecoderStep's names.
 ROWS = ("h2", "x", "qkv", "o", "gate_up", "act")
 
 
