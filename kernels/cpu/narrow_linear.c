@@ -11,29 +11,28 @@
  *   bf16  W itself. A bf16 value is the top half of an fp32 one, so interleaving
  *         16-bit zeros below each weight (one unpack per 8) widens it exactly.
  *   int8  q[N, K] and scale[N], W ~ scale[n] * q[n][k] (symmetric, per output row:
- *         kernels/cpu/narrow_linear.py quantizes). The sum runs over q widened to fp32
- *         (exact) and is multiplied by the row's scale once, at the end.
- *   fp32  W itself, for weights neither format holds exactly: the same sums in the same
- *         order as the others, so a row's output stays independent of its step.
+ *         kernels/cpu/narrow_linear.py quantizes), summed against x quantized per group
+ *         by integer dot products: narrow_int8.c, its own layout and sums.
+ *   fp32  W itself, for weights bf16 does not hold exactly: the same sums in the same
+ *         order as bf16's, so a row's output stays independent of its step.
  *
- * Packed layout, every format (narrow_pack.c packs): 16-column blocks, K sequential
+ * Packed layout of bf16 and fp32 (narrow_pack.c packs): 16-column blocks, K sequential
  * inside a block, 16 values per k:
  *
  *   packed[(nb * K + k) * 16 + p] = W[16 nb + COLUMN_OF[p]][k]      (0 past row N)
  *
  * For bf16 COLUMN_OF swaps the middle two groups of four, because unpacklo/unpackhi
- * work per 128-bit lane: unpacklo then yields columns 0-7 and unpackhi 8-15. For int8
- * it is the identity (the low 8 bytes widen to columns 0-7, the high 8 to 8-15).
+ * work per 128-bit lane: unpacklo then yields columns 0-7 and unpackhi 8-15. For fp32
+ * it is the identity.
  *
- * Every output is one fp32 sum over k in ascending order (one FMA per k), then
- * (int8) one fused x scale + bias, (bf16) + bias, then + residual. Nothing in that order depends on M,
+ * Every output is one fp32 sum over k in ascending order (one FMA per k), then + bias,
+ * then + residual. Nothing in that order depends on M,
  * on the row's place among the rows, or on the thread that computes it: a row's output
  * is bit-identical whatever else is in the step. Arguments are checked by the Python
  * wrapper (kernels/cpu/narrow_linear.py).
  */
 
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "exports.h"
 #include "narrow_linear.h"
@@ -46,10 +45,6 @@
 
 enum { ROWS = 6 };
 
-/* int8 steps of more rows than this widen each block once into fp32 scratch (its writes
- * and reads cost more than converting again up to about 16 rows: docs/kernels.md). */
-enum { WIDEN_ONCE_ROWS = 24 };
-
 #if defined(CHATSVC_NARROW_LINEAR)
 /* The 16 weights of step kk of a block, widened to fp32: columns 0-7 in lo, 8-15 in hi. */
 static inline __attribute__((always_inline)) void widen(const int format, const void *block,
@@ -59,36 +54,20 @@ static inline __attribute__((always_inline)) void widen(const int format, const 
         const __m256i zero = _mm256_setzero_si256();
         *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));
         *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));
-    } else if (format == FORMAT_INT8) {
-        /* Each half straight from memory into the sign extension (one load-op each). */
-        const int8_t *q = (const int8_t *)block + kk * COLS;
-        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
-        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
-    } else { /* FORMAT_F32: fp32 weights, or an int8 block widened once (widen_block) */
+    } else { /* FORMAT_F32 */
         const float *w = (const float *)block + kk * COLS;
         *lo = _mm256_loadu_ps(w);
         *hi = _mm256_loadu_ps(w + 8);
     }
 }
 
-/* An int8 block widened once to fp32 (the same values widen() gives), for a step with
- * many rows: every row tile then reads floats instead of converting again. */
-static void widen_block(const int8_t *block, int64_t k, float *out) {
-    for (int64_t kk = 0; kk < k; kk++) {
-        __m256 lo, hi;
-        widen(FORMAT_INT8, block, kk, &lo, &hi);
-        _mm256_storeu_ps(out + kk * COLS, lo);
-        _mm256_storeu_ps(out + kk * COLS + 8, hi);
-    }
-}
-
 /* Rows [0, rows) of x (rows <= ROWS) against one column block: out's columns
- * [col0, col0 + 16), each sum times its column's `scale` where one is given (int8).
+ * [col0, col0 + 16).
  * `rows` and `format` are constants in each caller, so the loops over rows unroll and
  * the accumulators stay in registers (12 of the 16). */
 static inline __attribute__((always_inline)) void row_tile(
     const int rows, const int format, const float *x, int64_t x_stride, const void *block,
-    int64_t k, int64_t col0, int64_t n, const float *scale, const float *bias,
+    int64_t k, int64_t col0, int64_t n, const float *bias,
     const float *residual, int64_t residual_stride, float *out, int64_t out_stride) {
     /* Named accumulators, not an array: gcc spills an array to the stack every k. */
 #define ZERO(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
@@ -110,18 +89,11 @@ static inline __attribute__((always_inline)) void row_tile(
                                  {a30, a31}, {a40, a41}, {a50, a51}};
     const int64_t live = n - col0 < COLS ? n - col0 : COLS;
     if (live == COLS) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, b0 = s0, b1 = s0;
-        if (scale) s0 = _mm256_loadu_ps(scale + col0), s1 = _mm256_loadu_ps(scale + col0 + 8);
+        __m256 b0 = _mm256_setzero_ps(), b1 = b0;
         if (bias) b0 = _mm256_loadu_ps(bias + col0), b1 = _mm256_loadu_ps(bias + col0 + 8);
         for (int r = 0; r < rows; r++) {
             __m256 v0 = acc[r][0], v1 = acc[r][1];
-            /* One explicit fused step (+ 0 without a bias): left to itself, gcc contracts a
-             * multiply and an add in some of row_tile's copies and not in others, and the
-             * rows' results would then depend on the tile they fell in. */
-            if (scale)
-                v0 = _mm256_fmadd_ps(v0, s0, b0), v1 = _mm256_fmadd_ps(v1, s1, b1);
-            else if (bias)
-                v0 = _mm256_add_ps(v0, b0), v1 = _mm256_add_ps(v1, b1);
+            if (bias) v0 = _mm256_add_ps(v0, b0), v1 = _mm256_add_ps(v1, b1);
             if (residual) {
                 const float *res = residual + r * residual_stride + col0;
                 v0 = _mm256_add_ps(v0, _mm256_loadu_ps(res));
@@ -139,32 +111,24 @@ static inline __attribute__((always_inline)) void row_tile(
         _mm256_store_ps(sums + 8, acc[r][1]);
         for (int64_t c = 0; c < live; c++) {
             float v = sums[c];
-            const float b = bias ? bias[col0 + c] : 0.0f;
-            if (scale)
-                v = __builtin_fmaf(v, scale[col0 + c], b);
-            else if (bias)
-                v += b;
+            if (bias) v += bias[col0 + c];
             if (residual) v += residual[r * residual_stride + col0 + c];
             out[r * out_stride + col0 + c] = v;
         }
     }
 }
 
-/* Rows [row0, row0 + rows) against column block nb, whose packed values are `block`
- * in `format` (the problem's own, or FORMAT_F32 for a widened int8 block). */
-static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const void *block,
-                    int format) {
+/* Rows [row0, row0 + rows) against column block nb. */
+static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb) {
+    const void *block = block_at(p, nb);
     const float *x = p->x + row0 * p->x_stride;
     const float *residual = p->residual ? p->residual + row0 * p->residual_stride : 0;
     float *out = p->out + row0 * p->out_stride;
-    /* The scale is applied whenever the stored values are int8 ones, widened or not. */
-    const float *scale = p->format == FORMAT_INT8 ? p->scale : 0;
 #define ROW_TILE(R, F)                                                                     \
-    row_tile(R, F, x, p->x_stride, block, p->k, nb * COLS, p->n, scale, p->bias, residual, \
+    row_tile(R, F, x, p->x_stride, block, p->k, nb * COLS, p->n, p->bias, residual, \
              p->residual_stride, out, p->out_stride)
-#define FORMATS(R)                                  \
-    if (format == FORMAT_BF16) ROW_TILE(R, FORMAT_BF16); \
-    else if (format == FORMAT_INT8) ROW_TILE(R, FORMAT_INT8); \
+#define FORMATS(R)                                       \
+    if (p->format == FORMAT_BF16) ROW_TILE(R, FORMAT_BF16); \
     else ROW_TILE(R, FORMAT_F32);
     switch (rows) {
         case 1: FORMATS(1) break;
@@ -180,26 +144,13 @@ static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, const 
 
 /* Column blocks [first, last) of out, all m rows: a chunk of blocks at a time, every
  * row tile over the chunk, so the chunk's weights come from memory once and from L2
- * for the later row tiles (on AVX-512, where `wide`, its own tiles); or, given `widened`
- * scratch (int8, many rows), one block at a time, widened once and then read by every
- * row tile. */
-static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *widened,
-                          int wide) {
-    if (widened) { /* int8 with several row tiles: widen each block once */
-        for (int64_t nb = first; nb < last; nb++) {
-            widen_block(block_at(p, nb), p->k, widened);
-            for (int64_t row0 = 0; row0 < p->m; row0 += ROWS) {
-                const int rows = p->m - row0 < ROWS ? (int)(p->m - row0) : ROWS;
-                rows_at(p, rows, row0, nb, widened, FORMAT_F32);
-            }
-        }
-        return;
-    }
+ * for the later row tiles (on AVX-512, where `wide`, its own tiles). */
+static void linear_blocks(const Problem *p, int64_t first, int64_t last, int wide) {
 #if defined(__AVX512F__)
-    /* One block's chain of FMAs per k keeps up with memory for bf16 and fp32 weights but
-     * not int8's: one row of bf16 or fp32 stays on the AVX2 tiles (one stream each),
-     * whose one-row reads measured no slower (docs/kernels.md). */
-    if (wide && (p->format == FORMAT_INT8 || p->m > 1)) {
+    /* One block's chain of FMAs per k keeps up with memory for bf16 and fp32 weights:
+     * one row stays on the AVX2 tiles (one stream each), whose one-row reads measured
+     * no slower (docs/kernels.md). */
+    if (wide && p->m > 1) {
         narrow_blocks_avx512(p, first, last);
         return;
     }
@@ -211,7 +162,7 @@ static void linear_blocks(const Problem *p, int64_t first, int64_t last, float *
         for (int64_t row0 = 0; row0 < p->m; row0 += ROWS) {
             const int rows = p->m - row0 < ROWS ? (int)(p->m - row0) : ROWS;
             for (int64_t nb = start; nb < stop; nb++)
-                rows_at(p, rows, row0, nb, block_at(p, nb), p->format);
+                rows_at(p, rows, row0, nb);
         }
     }
 }
@@ -220,34 +171,27 @@ static int run(const Problem *p, int wide, int32_t num_threads) {
     if (p->format != FORMAT_BF16 && p->format != FORMAT_INT8 && p->format != FORMAT_F32)
         return -1;
     if (p->m <= 0 || p->n <= 0) return 0;
-    const int64_t nbs = (p->n + COLS - 1) / COLS, k = p->k;
+    if (p->format == FORMAT_INT8) return narrow_int8_run(p, wide, num_threads);
+    const int64_t nbs = (p->n + COLS - 1) / COLS;
     /* A second thread pays for its wake-up only with enough columns to share (as the
      * tile linears: every matrix of the models served here has 36 or more blocks). */
     const int threads = nbs >= 8 ? num_threads : 1;
-    const int widen_once = p->format == FORMAT_INT8 && p->m > WIDEN_ONCE_ROWS && k > 0;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
-        float *widened = 0;
-        if (widen_once) widened = aligned_alloc(32, (size_t)((k * COLS * 4 + 31) / 32 * 32));
-        if (widen_once && !widened)
-            failed = 1;
-        else
-            linear_blocks(p, nbs * t / team, nbs * (t + 1) / team, widened, wide);
-        free(widened);
+        linear_blocks(p, nbs * t / team, nbs * (t + 1) / team, wide);
     }
-    return failed ? -1 : 0;
+    return 0;
 }
 #endif
 
 /* out = x . W^T (+ bias) (+ residual): x, bias, residual and out fp32, W packed by
  * the format's `chatsvc_narrow_linear_pack_*`; `scale` [n] for int8 (ignored for
  * the others). bias and residual may be NULL. Returns 0, or -1 where this build has no
- * AVX2 + FMA or the format is unknown (nothing is written then), or scratch memory
- * ran out (int8 with more than WIDEN_ONCE_ROWS rows; out is then incomplete).
- * `wide_tiles` 1: the AVX-512 tiles in a build for a CPU that has them, else the AVX2
- * ones; 0: the AVX2 tiles whatever the build (the tests hold both to the same bits). */
+ * AVX2 + FMA, the format is unknown or scratch memory ran out (int8's quantized rows;
+ * nothing is written then). `wide_tiles` 1: the AVX-512 tiles in a build for a CPU that
+ * has them (int8: AVX-512 VNNI), else the AVX2 ones; 0: the AVX2 tiles whatever the
+ * build (the tests hold both to the same bits). */
 int chatsvc_narrow_linear(const float *x, int64_t x_stride, int64_t m, const void *packed,
                           int32_t format, const float *scale, int64_t n, int64_t k,
                           const float *bias, const float *residual, int64_t residual_stride,

@@ -2,6 +2,7 @@
  *
  *   narrow_linear.c         the entry and the row tiles on AVX2 + FMA
  *   narrow_linear_avx512.c  the row tiles on AVX-512 (builds for CPUs that have it)
+ *   narrow_int8.c           the int8 format: integer dot products against quantized x
  *   narrow_pack.c           the packing of a matrix into the blocks
  *
  * Both sum every output the one way narrow_linear.c's comment describes, so a build's
@@ -18,9 +19,16 @@
 #define CHATSVC_NARROW_INTERNAL __attribute__((visibility("hidden")))
 
 enum { COLS = 16 };
-/* kernels/cpu/narrow_linear.py: FORMATS. An int8 block widened once to fp32 (a step of
- * many rows) is read as FORMAT_F32, its problem's format still INT8 (the scale). */
+/* kernels/cpu/narrow_linear.py: FORMATS. */
 enum { FORMAT_BF16 = 0, FORMAT_INT8 = 1, FORMAT_F32 = 2 };
+
+/* int8: x is quantized with one scale per GROUP values of a row (narrow_int8.c), and K
+ * is stored padded to a multiple of it. kernels/cpu/narrow_linear.py: ACTIVATION_GROUP. */
+enum { GROUP = 64 };
+
+static inline int64_t int8_padded_k(int64_t k) {
+    return (k + GROUP - 1) / GROUP * GROUP;
+}
 
 /* Bytes of weights a thread keeps in its L2 while every row tile passes over them. */
 enum { CHUNK_BYTES = 256 * 1024 };
@@ -41,11 +49,12 @@ typedef struct {
     int64_t out_stride;
 } Problem;
 
+/* Bytes per packed value of the bf16 and fp32 layouts (int8 has its own: narrow_int8.c). */
 static inline int64_t format_width(int format) {
-    return format == FORMAT_BF16 ? 2 : format == FORMAT_INT8 ? 1 : 4;
+    return format == FORMAT_BF16 ? 2 : 4;
 }
 
-/* Column block nb's packed values. */
+/* Column block nb's packed values (bf16, fp32). */
 static inline const void *block_at(const Problem *p, int64_t nb) {
     return (const char *)p->packed + nb * p->k * COLS * format_width(p->format);
 }
@@ -56,6 +65,12 @@ static inline int64_t chunk_blocks(const Problem *p, int64_t blocks) {
     const int64_t chunk = CHUNK_BYTES / (p->k * COLS * format_width(p->format));
     return chunk < 1 ? 1 : chunk;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* out for an int8 problem: its own layout and sums (narrow_int8.c). `wide` as in
+ * chatsvc_narrow_linear. 0, or -1 where scratch memory ran out (nothing written). */
+CHATSVC_NARROW_INTERNAL int narrow_int8_run(const Problem *p, int wide, int num_threads);
+#endif
 
 #if defined(__AVX512F__)
 /* Column blocks [first, last) of out, all m rows, in the problem's own format. */

@@ -8,12 +8,15 @@ reading the weights. Three storage formats:
     bf16   the weights rounded to bf16 (a bf16 checkpoint's own values: nothing lost),
            half the bytes of fp32
     int8   ``quantize_int8``: symmetric int8 with one fp32 scale per output row,
-           a quarter of the bytes
+           a quarter of the bytes, summed against x quantized to int8 per group of
+           ``ACTIVATION_GROUP`` (``quantize_rows``) by integer dot products, as
+           llama.cpp's Q8 dot products do
     fp32   the weights as they are: for fp32 weights bf16 does not hold, the same fixed
-           order of sums (``kernels.invariance``) as the narrow formats
+           order of sums (``kernels.invariance``) as bf16
 
-The kernel widens each stored value exactly and sums every output in one fixed order,
-so a row's output does not depend on the other rows of the step. The reference twin is
+The kernel sums every output in one fixed order (bf16, fp32: each stored value widened
+exactly; int8: exact integer sums per group, the groups in order), so a row's output
+does not depend on the other rows of the step. The reference twin is
 ``narrow_linear_reference``.
 """
 
@@ -29,12 +32,15 @@ from kernels.validate import check_linear_inputs
 
 FORMATS = {"bf16": 0, "int8": 1, "fp32": 2}  # narrow_linear.c: FORMAT_*
 INT8_LEVELS = 127  # symmetric: -127..127, so a row's largest magnitude is stored exactly
+# int8: x's values per scale (narrow_linear.h: GROUP). One scale per row cost 4 % perplexity
+# (a row's outlier channels), 64 values 0.5 % (docs/benchmarks.md).
+ACTIVATION_GROUP = 64
 
 
 class NarrowWeight(NamedTuple):
     """A ``[N, K]`` weight packed in 16-column blocks; ``shape`` is the weight's own."""
 
-    packed: torch.Tensor  # flat bf16, int8 or fp32: chatsvc_narrow_linear_packed_elements(N, K)
+    packed: torch.Tensor  # flat bf16, uint8 or fp32: chatsvc_narrow_linear_packed_elements
     scale: torch.Tensor | None  # [N] fp32 for int8, else None
     shape: tuple[int, int]
     format: str  # a key of FORMATS
@@ -63,7 +69,9 @@ def pack_bf16_weight(weight: torch.Tensor) -> NarrowWeight:
     narrow = weight.to(torch.bfloat16).contiguous()
     lib = native.require()
     n, k = narrow.shape
-    packed = torch.empty(lib.chatsvc_narrow_linear_packed_elements(n, k), dtype=torch.bfloat16)
+    packed = torch.empty(
+        lib.chatsvc_narrow_linear_packed_elements(n, k, FORMATS["bf16"]), dtype=torch.bfloat16
+    )
     lib.chatsvc_narrow_linear_pack_bf16(
         narrow.data_ptr(), narrow.stride(0), n, k, packed.data_ptr()
     )
@@ -76,7 +84,9 @@ def pack_fp32_weight(weight: torch.Tensor) -> NarrowWeight:
     wide = weight.to(torch.float32).contiguous()
     lib = native.require()
     n, k = wide.shape
-    packed = torch.empty(lib.chatsvc_narrow_linear_packed_elements(n, k), dtype=torch.float32)
+    packed = torch.empty(
+        lib.chatsvc_narrow_linear_packed_elements(n, k, FORMATS["fp32"]), dtype=torch.float32
+    )
     lib.chatsvc_narrow_linear_pack_f32(wide.data_ptr(), wide.stride(0), n, k, packed.data_ptr())
     return NarrowWeight(packed, None, (n, k), "fp32")
 
@@ -93,13 +103,29 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` as int8 ``q [M, KP]`` and fp32 ``scale [M, KP / ACTIVATION_GROUP]``,
+    KP = K padded with zeros to a multiple of the group: each group's step is its largest
+    magnitude / 127, ``q = round(x / step)`` to nearest even (an all-zero group: step 0, q 0).
+    The kernel's own quantization, bit for bit."""
+    m, k = x.shape
+    padded = -(-k // ACTIVATION_GROUP) * ACTIVATION_GROUP
+    groups = F.pad(x.float(), (0, padded - k)).view(m, -1, ACTIVATION_GROUP)
+    step = groups.abs().amax(dim=2) / INT8_LEVELS if padded else groups.new_zeros(m, 0)
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.round(groups / safe[:, :, None]).clamp(-INT8_LEVELS, INT8_LEVELS)
+    return q.to(torch.int8).view(m, padded), step
+
+
 def pack_int8_weight(weight: torch.Tensor) -> NarrowWeight:
     """``weight [N, K]`` (a floating CPU tensor) quantized by ``quantize_int8`` and packed."""
     _check_weight(weight)
     q, scale = quantize_int8(weight)
     lib = native.require()
     n, k = q.shape
-    packed = torch.empty(lib.chatsvc_narrow_linear_packed_elements(n, k), dtype=torch.int8)
+    packed = torch.empty(
+        lib.chatsvc_narrow_linear_packed_elements(n, k, FORMATS["int8"]), dtype=torch.uint8
+    )
     lib.chatsvc_narrow_linear_pack_int8(q.data_ptr(), q.stride(0), n, k, packed.data_ptr())
     return NarrowWeight(packed, scale, (n, k), "int8")
 
@@ -157,7 +183,16 @@ def narrow_linear_reference(
         out = F.linear(x, stored.float(), bias)
     else:
         q, scale = quantize_int8(weight)
-        out = F.linear(x, q.float()) * scale
+        xq, step = quantize_rows(x)
+        padded = F.pad(q, (0, xq.shape[1] - q.shape[1])).double()
+        groups = xq.shape[1] // ACTIVATION_GROUP
+        # Each group's integer sums (exact in float64), scaled by the group's step.
+        sums = torch.einsum(
+            "mgk,ngk->mgn",
+            xq.double().view(x.shape[0], groups, ACTIVATION_GROUP),
+            padded.view(q.shape[0], groups, ACTIVATION_GROUP),
+        )
+        out = ((sums * step.double()[:, :, None]).sum(dim=1) * scale.double()).float()
         if bias is not None:
             out = out + bias
     return out if residual is None else out + residual

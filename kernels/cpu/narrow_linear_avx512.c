@@ -1,10 +1,7 @@
 /* The row tiles of narrow_linear.c on AVX-512: one zmm holds a block's 16 columns.
  *
- * A tile takes up to ROWS rows of x against up to BLOCKS column blocks at once. With one
- * row of x (a decode step) each output is a chain of FMAs, one per k, each waiting for
- * the last: a tile of one block would wait on that chain, not on memory (int8 weights
- * come 16 bytes per FMA latency). Four blocks give four chains to overlap; with more
- * rows, the four blocks share each broadcast of x. 6 x 4 accumulators, 4 widened blocks
+ * A tile takes up to ROWS rows of x against up to BLOCKS column blocks at once; the
+ * four blocks share each broadcast of x. 6 x 4 accumulators, 4 widened blocks
  * and a broadcast fill 29 of the 32 registers.
  *
  * Per k a tile reads 16 weights of each of its blocks: four interleaved streams, which
@@ -12,9 +9,8 @@
  * next tile's weights into L2 in address order, as many lines per step as it consumes.
  *
  * The sums are narrow_linear.c's, lane for lane: per output one FMA per k in ascending
- * order from zero, then the same fused scale + bias (or + bias), then + residual. The
- * widening is exact in every format (int8: sign extension and an exact conversion;
- * bf16: zero extension and a shift of 16). A bf16 block's lanes hold its columns in
+ * order from zero, then + bias, then + residual. bf16 widens exactly (zero extension and
+ * a shift of 16). A bf16 block's lanes hold its columns in
  * BF16_COLUMN_OF order (the AVX2 layout), put back in order by one permute at the end.
  * The last block's missing columns are masked off.
  */
@@ -29,9 +25,6 @@ enum { ROWS = 6, BLOCKS = 4 };
 /* The 16 weights of step kk of a block, widened to fp32 (bf16: in block-place order). */
 static inline __attribute__((always_inline)) __m512 widen16(const int format, const void *block,
                                                             int64_t kk) {
-    if (format == FORMAT_INT8)
-        return _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)block + kk * COLS))));
     if (format == FORMAT_BF16) {
         const __m256i w = _mm256_loadu_si256((const __m256i *)((const uint16_t *)block + kk * COLS));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
@@ -39,9 +32,9 @@ static inline __attribute__((always_inline)) __m512 widen16(const int format, co
     return _mm512_loadu_ps((const float *)block + kk * COLS);
 }
 
-/* One finished sum of 16 columns of one row: scale, bias, residual, store. */
+/* One finished sum of 16 columns of one row: bias, residual, store. */
 static inline __attribute__((always_inline)) void finish(
-    const int format, __m512 v, int64_t col0, int64_t n, const float *scale, const float *bias,
+    const int format, __m512 v, int64_t col0, int64_t n, const float *bias,
     const float *residual, float *out) {
     if (format == FORMAT_BF16) {
         const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
@@ -49,13 +42,7 @@ static inline __attribute__((always_inline)) void finish(
     }
     const int64_t live = n - col0 < COLS ? n - col0 : COLS;
     const __mmask16 mask = (__mmask16)((1u << live) - 1u);
-    /* One explicit fused step (+ 0 without a bias), as the AVX2 tiles do. */
-    if (scale) {
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col0) : _mm512_setzero_ps();
-        v = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(mask, scale + col0), b);
-    } else if (bias) {
-        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col0));
-    }
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col0));
     if (residual) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, residual + col0));
     _mm512_mask_storeu_ps(out + col0, mask, v);
 }
@@ -83,7 +70,7 @@ static inline __attribute__((always_inline)) void tile(
         if (blocks > 3) a##r##3 = _mm512_fmadd_ps(xb, w3, a##r##3);   \
     }
     ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
-    const int64_t width = format == FORMAT_BF16 ? 2 : format == FORMAT_INT8 ? 1 : 4;
+    const int64_t width = format == FORMAT_BF16 ? 2 : 4;
     const int64_t line_steps = 64 / (COLS * width);
     const char *next = (const char *)block_at(p, nb0 + blocks);
     const int64_t next_bytes = next_blocks * k * COLS * width;
@@ -105,10 +92,9 @@ static inline __attribute__((always_inline)) void tile(
     const __m512 acc[ROWS][BLOCKS] = {{a00, a01, a02, a03}, {a10, a11, a12, a13},
                                       {a20, a21, a22, a23}, {a30, a31, a32, a33},
                                       {a40, a41, a42, a43}, {a50, a51, a52, a53}};
-    const float *scale = p->format == FORMAT_INT8 ? p->scale : 0;
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < blocks; b++)
-            finish(format, acc[r][b], (nb0 + b) * COLS, p->n, scale, p->bias,
+            finish(format, acc[r][b], (nb0 + b) * COLS, p->n, p->bias,
                    residual ? residual + r * p->residual_stride : 0, out + r * p->out_stride);
 }
 
@@ -119,9 +105,8 @@ static void tile_at(const Problem *p, int rows, int64_t row0, int blocks, int64_
     const float *residual = p->residual ? p->residual + row0 * p->residual_stride : 0;
     float *out = p->out + row0 * p->out_stride;
 #define TILE(R, B, F) tile(R, B, F, p, x, residual, out, nb0, next_blocks)
-#define FORMATS(R, B)                                            \
-    if (p->format == FORMAT_BF16) TILE(R, B, FORMAT_BF16);      \
-    else if (p->format == FORMAT_INT8) TILE(R, B, FORMAT_INT8); \
+#define FORMATS(R, B)                                       \
+    if (p->format == FORMAT_BF16) TILE(R, B, FORMAT_BF16); \
     else TILE(R, B, FORMAT_F32);
 #define BLOCK_COUNTS(R)                             \
     if (blocks == 4) {                              \

@@ -1,17 +1,18 @@
-/* Packing of the narrow-weight linears' matrices (narrow_linear.c describes the layout):
- * once per matrix at load, so plain loops; no CPU features needed. */
+/* Packing of the narrow-weight linears' matrices (narrow_linear.c describes the bf16 and
+ * fp32 layout, narrow_int8.c int8's): once per matrix at load, so plain loops; no CPU
+ * features needed. */
 
 #include <stdint.h>
 #include <string.h>
 
 #include "narrow_linear.h"
 
-/* Elements (of the format's width) of W [n, k] once packed. */
-int64_t chatsvc_narrow_linear_packed_elements(int64_t n, int64_t k) {
-    return (n + COLS - 1) / COLS * COLS * k;
+/* Elements (of the format's width) of W [n, k] once packed in `format`. */
+int64_t chatsvc_narrow_linear_packed_elements(int64_t n, int64_t k, int32_t format) {
+    return (n + COLS - 1) / COLS * COLS * (format == FORMAT_INT8 ? int8_padded_k(k) : k);
 }
 
-/* int8 and fp32 */
+/* fp32 */
 static const int IDENTITY_COLUMN_OF[COLS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* The packed layout above for elements of `width` bytes, block place p taking row
@@ -37,10 +38,19 @@ void chatsvc_narrow_linear_pack_bf16(const uint16_t *w, int64_t w_stride, int64_
     pack_blocks((const char *)w, w_stride, n, k, 2, BF16_COLUMN_OF, (char *)packed);
 }
 
-/* Pack q [n, k] (int8, rows `q_stride` apart) into `packed`. */
+/* Pack q [n, k] (int8 in [-127, 127], rows `q_stride` apart) into `packed`, offset to
+ * unsigned bytes; past row n and column k the bytes of 0. */
 void chatsvc_narrow_linear_pack_int8(const int8_t *q, int64_t q_stride, int64_t n, int64_t k,
-                                     int8_t *packed) {
-    pack_blocks((const char *)q, q_stride, n, k, 1, IDENTITY_COLUMN_OF, (char *)packed);
+                                     uint8_t *packed) {
+    const int64_t nbs = (n + COLS - 1) / COLS, kp = int8_padded_k(k);
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kq = 0; kq < kp / 4; kq++)
+            for (int c = 0; c < COLS; c++)
+                for (int j = 0; j < 4; j++) {
+                    const int64_t row = nb * COLS + c, col = kq * 4 + j;
+                    const int value = row < n && col < k ? q[row * q_stride + col] : 0;
+                    packed[((nb * kp / 4 + kq) * COLS + c) * 4 + j] = (uint8_t)(value + 128);
+                }
 }
 
 /* Pack W [n, k] (fp32, rows `w_stride` apart) into `packed`. */

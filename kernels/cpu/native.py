@@ -57,6 +57,7 @@ SOURCES = tuple(
         "tile_linear.c",
         "narrow_linear.c",
         "narrow_linear_avx512.c",
+        "narrow_int8.c",
         "narrow_pack.c",
         "pair_linear.c",
         "decoder.c",
@@ -303,7 +304,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.chatsvc_linear_uses_tiles.restype = ctypes.c_int
     lib.chatsvc_linear_uses_tiles.argtypes = []
     lib.chatsvc_narrow_linear_packed_elements.restype = i64
-    lib.chatsvc_narrow_linear_packed_elements.argtypes = [i64, i64]
+    lib.chatsvc_narrow_linear_packed_elements.argtypes = [i64, i64, i32]
     for fmt in ("bf16", "int8", "f32"):
         pack = getattr(lib, f"chatsvc_narrow_linear_pack_{fmt}")
         pack.restype = None

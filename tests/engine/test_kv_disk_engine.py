@@ -173,6 +173,13 @@ def test_a_different_model_dtype_or_block_size_never_loads_foreign_kv(
     other_layout = "plain" if smollm2_fp32.model.weight_layout != "plain" else "onednn"
     relaid = load_local(smollm2_fp32.path, torch.float32, "cpu", prepack_weights=other_layout)
     assert model_fingerprint(relaid, torch.float32, shape, 0, None) != fingerprint
+    # int8 weights: their sums depend on how x is quantized, named by its group.
+    int8 = load_local(smollm2_fp32.path, torch.float32, "cpu", weight_dtype="int8")
+    int8_fingerprint = model_fingerprint(int8, torch.float32, shape, 0, None)
+    assert int8_fingerprint != fingerprint
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("chatsvc.engine.kv_disk.fingerprint.ACTIVATION_GROUP", 32)
+        assert model_fingerprint(int8, torch.float32, shape, 0, None) != int8_fingerprint
     with engine_on(smollm2_fp32, config(tmp_path, block_size=32)) as other:
         assert other.disk_tier.num_found == 0 and other.disk_tier.directory.path != own_dir
 

@@ -1,6 +1,7 @@
-"""kernels.cpu.narrow_linear (kernels/cpu/narrow_linear.c): fp32 linears over bf16-,
-int8- and fp32-stored weights, against the float64 oracle and the torch twin; one fixed order per
-output, so a row's result does not depend on the rows beside it; its refusals."""
+"""kernels.cpu.narrow_linear (kernels/cpu/narrow_linear.c, narrow_int8.c): fp32 linears
+over bf16-, int8- and fp32-stored weights (int8 against x quantized per group), against
+the float64 oracle and the torch twin; one fixed order per output, so a row's result does
+not depend on the rows beside it; its refusals."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kernels.cpu.narrow_linear import (
+    ACTIVATION_GROUP,
     narrow_linear,
     narrow_linear_available,
     narrow_linear_reference,
@@ -17,6 +19,7 @@ from kernels.cpu.narrow_linear import (
     pack_fp32_weight,
     pack_int8_weight,
     quantize_int8,
+    quantize_rows,
 )
 
 AVAILABLE = narrow_linear_available("cpu", torch.float32)
@@ -46,8 +49,17 @@ def _stored(w, format):
     return q.double() * scale.double()[:, None]
 
 
+def _input_rows(x, format):
+    """x as the kernel multiplies it, in float64 (int8: quantized per group)."""
+    if format != "int8":
+        return x.double()
+    q, step = quantize_rows(x)
+    values = q.double().view(x.shape[0], -1, ACTIVATION_GROUP) * step.double()[:, :, None]
+    return values.view(x.shape[0], -1)[:, : x.shape[1]]
+
+
 def _oracle(x, w, bias, residual, format):
-    out = x.double() @ _stored(w, format).t()
+    out = _input_rows(x, format) @ _stored(w, format).t()
     if bias is not None:
         out = out + bias.double()
     if residual is not None:
@@ -56,8 +68,10 @@ def _oracle(x, w, bias, residual, format):
 
 
 def test_the_packed_layouts_are_the_documented_ones():
-    # Pure C, on every CPU: W[row][k] at ((row // 16) * K + k) * 16 + p, where p is the
-    # row's place in its block (bf16: the middle two groups of four swapped).
+    # Pure C, on every CPU. bf16: W[row][k] at ((row // 16) * K + k) * 16 + p, where p is
+    # the row's place in its block (the middle two groups of four swapped). int8: K padded
+    # to KP, four k of a row side by side, offset to unsigned:
+    # q[row][k] + 128 at ((row // 16) * KP / 4 + k // 4) * 64 + (row % 16) * 4 + k % 4.
     n, k = 20, 5  # two column blocks, the second padded
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k) - 50
     swap = {c: c for c in range(16)} | {8 + i: 4 + i for i in range(4)}
@@ -65,15 +79,20 @@ def test_the_packed_layouts_are_the_documented_ones():
     bf16 = pack_bf16_weight(w)
     int8 = pack_int8_weight(w)
     q, scale = quantize_int8(w)
-    assert bf16.packed.numel() == int8.packed.numel() == 2 * 16 * k
+    kp = ACTIVATION_GROUP
+    assert bf16.packed.numel() == 2 * 16 * k and int8.packed.numel() == 2 * 16 * kp
+    assert int8.packed.dtype == torch.uint8
     assert torch.equal(int8.scale, scale) and bf16.scale is None
     for row in range(n):
         for col in range(k):
             nb, c = divmod(row, 16)
             assert bf16.packed[(nb * k + col) * 16 + swap[c]] == w[row, col]
-            assert int8.packed[(nb * k + col) * 16 + c] == q[row, col]
+            at = ((nb * kp // 4 + col // 4) * 16 + c) * 4 + col % 4
+            assert int(int8.packed[at]) == int(q[row, col]) + 128
     assert bool((bf16.packed.view(2, k, 16)[1][:, 8:] == 0).all())  # rows 20.. : zeros
-    assert bool((int8.packed.view(2, k, 16)[1][:, 4:] == 0).all())
+    blocks = int8.packed.view(2, kp // 4, 16, 4)
+    assert bool((blocks[1][:, 4:] == 128).all())  # rows 20.. : zeros (offset)
+    assert bool((blocks[:, 2:] == 128).all()) and bool((blocks[:, 1, :, 1:] == 128).all())
 
 
 def test_int8_quantization_is_symmetric_per_row_and_keeps_each_rows_peak():
@@ -89,10 +108,27 @@ def test_int8_quantization_is_symmetric_per_row_and_keeps_each_rows_peak():
     assert float(scale[5]) == 0.0 and bool((back[5] == 0).all())
 
 
+def test_rows_are_quantized_per_group_of_64_and_keep_each_groups_peak():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 150, generator=gen)
+    x[1, 3] = 900.0  # an outlier: only its own group's step grows
+    x[2, 64:128] = 0.0  # an all-zero group: step 0, zeros back
+    q, step = quantize_rows(x)
+    assert q.shape == (5, 192) and step.shape == (5, 3) and q.dtype == torch.int8
+    assert bool((q[:, 150:] == 0).all())  # the padding
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    back = (q.float().view(5, 3, 64) * step[:, :, None]).view(5, 192)[:, :150]
+    groups = torch.nn.functional.pad(x, (0, 42)).view(5, 3, 64)
+    assert torch.allclose(step, groups.abs().amax(dim=2) / 127)
+    assert bool(((back - x).abs() <= step.repeat_interleave(64, 1)[:, :150] / 2 * 1.0001).all())
+    assert float(step[2, 1]) == 0.0 and bool((back[2, 64:128] == 0).all())
+    assert float(step[1, 0]) > 7 > float(step[1, 1])  # the outlier's group only
+
+
 @needs_kernel
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp32"])
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 24, 25, 40])
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (20, 70), (16 * 9, 1)])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 13, 24, 25, 40])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (20, 70), (16 * 9, 1), (40, 130)])
 def test_narrow_linear_matches_the_oracle_and_its_twin(format, m, n, k):
     x, w, bias, residual = _inputs(m, n, k)
     weight = PACK[format](w)
@@ -108,15 +144,16 @@ def test_narrow_linear_matches_the_oracle_and_its_twin(format, m, n, k):
 
 @needs_kernel
 def test_weights_widen_exactly():
-    # x = identity rows: each output is one stored weight times one (int8: times its
-    # scale), so any loss in the widening shows. fp32 weights round to nearest bf16.
+    # x = identity rows: each output is one stored weight times one, so any loss in the
+    # widening shows. fp32 weights round to nearest bf16. int8: x = 127 x identity, each
+    # group's step exactly 1, so an output is 127 q times its scale, rounded once.
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 40, generator=gen)
     got = narrow_linear(torch.eye(40), pack_bf16_weight(w))
     assert torch.equal(got, w.bfloat16().float().t())
     q, scale = quantize_int8(w)
-    got = narrow_linear(torch.eye(40), pack_int8_weight(w))
-    assert torch.equal(got, (q.float() * scale[:, None]).t())
+    got = narrow_linear(127 * torch.eye(40), pack_int8_weight(w))
+    assert torch.equal(got, (127 * q.float() * scale[:, None]).t())
     assert torch.equal(narrow_linear(torch.eye(40), pack_fp32_weight(w)), w.t())
 
 
@@ -124,7 +161,7 @@ def test_weights_widen_exactly():
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp32"])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(format):
     """The property issue 26 needs of the linears: one summation order per output."""
-    x, w, bias, residual = _inputs(40, 200, 576, seed=4)  # int8 widens blocks once past 24
+    x, w, bias, residual = _inputs(40, 200, 576, seed=4)
     weight = PACK[format](w)
     batch = narrow_linear(x, weight, bias, residual)
     for i in (0, 5, 6, 17, 22, 39):
@@ -141,10 +178,11 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(format):
 @needs_kernel
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp32"])
 def test_the_avx512_tiles_give_the_avx2_tiles_bits(format):
-    """Where the build has AVX-512, its tiles (four blocks at a time) run the step; they
-    must sum exactly as the AVX2 tiles (one block at a time) do. Shapes with a partial
-    last block, tiles of 1-4 blocks at the ends of the threads' ranges, every row count a
-    tile takes and one past it. (On an AVX2-only build both calls take the same tiles.)"""
+    """Where the build has AVX-512 (int8: AVX-512 VNNI), its tiles (four blocks at a time)
+    run the step; they must sum exactly as the AVX2 tiles (one or two blocks) do. Shapes
+    with a partial last block, tiles of 1-4 blocks at the ends of the threads' ranges,
+    every row count a tile takes and one past it. (On an AVX2-only build both calls take
+    the same tiles.)"""
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):

@@ -4,12 +4,14 @@ KV is only reusable by the exact computation that produced it, so the
 fingerprint covers everything that changes a block's bytes or their meaning:
 
     format version | model identity (name and shape) | weights digest
-    | dtype | weight layout | kernel mode | block size | KV layout (kv_layout's dims and
-    their order) | KV dtype and, for int8, its scale layout
+    | dtype | weight layout (int8: and its activations' group) | kernel mode | block size
+    | KV layout (kv_layout's dims and their order) | KV dtype and, for int8, its scale
+    layout
 
 The weight layout (``kernels.linear``) names how the matrices are stored and summed:
 an fp32 model reading bf16-stored weights, or another order of the same sums, writes
-other KV bits, and a hit must answer as a miss would. The kernel mode (invariant or
+other KV bits, and a hit must answer as a miss would; int8 weights multiply x quantized
+per group, so the group is part of them. The kernel mode (invariant or
 not, ``kernels.invariance``) orders the attention's sums, so it does too. The KV dtype
 (the model's, or int8 rows with their scales: ``kernels.kv_layout``) changes what a
 block's bytes mean, and an int8 block's scale layout where they lie: a bf16 engine must
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kernels.cpu.narrow_linear import ACTIVATION_GROUP
 from kernels.kv_layout import SCALE_LAYOUT, KVShape, is_quantized
 
 FORMAT_VERSION = 1
@@ -71,6 +74,9 @@ def model_fingerprint(
         "kv_shape": dataclasses.asdict(kv_shape),
         "kv_layout": KV_LAYOUT,
     }
+    if loaded.model.weight_layout == "int8_blocks":
+        # int8 weights first summed over x as it was (weight-only): other bits, other files.
+        identity["activation_group"] = ACTIVATION_GROUP
     if is_quantized(kv_dtype):
         # Only when set, so the fingerprints of float KV (and their files) stay as they were.
         identity["kv_dtype"] = str(kv_dtype)
