@@ -270,6 +270,42 @@ static inline __attribute__((always_inline)) void tile_vnni(
         }
     }
 }
+
+/* One row (a decode step) against one block, with dpbusd: a thread's blocks lie one after
+ * another, so one row reads them as one sequential stream, which the hardware prefetchers
+ * serve best. A group's integer sum is split over four accumulators (k-quads mod 4) so
+ * the chain of dpbusd does not wait on its own latency: integers add up to the same sum
+ * in any order. */
+static void row_vnni(const Problem *p, const Rows *x, int64_t row, int64_t nb) {
+    const int64_t kp = x->kp;
+    const uint8_t *w = int8_block(p, kp, nb);
+    const int8_t *q = x->q + row * kp;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < x->groups; g++) {
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t kq = g * (GROUP / 4); kq < (g + 1) * (GROUP / 4); kq += 4) {
+            const uint8_t *v = w + kq * 64;
+            const int8_t *xq = q + kq * 4;
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_loadu_si512(v), _mm512_set1_epi32(quad_at(xq)));
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_loadu_si512(v + 64), _mm512_set1_epi32(quad_at(xq + 4)));
+            s2 = _mm512_dpbusd_epi32(s2, _mm512_loadu_si512(v + 128), _mm512_set1_epi32(quad_at(xq + 8)));
+            s3 = _mm512_dpbusd_epi32(s3, _mm512_loadu_si512(v + 192), _mm512_set1_epi32(quad_at(xq + 12)));
+        }
+        const int64_t at = row * x->groups + g;
+        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
+        const __m512i offset = _mm512_set1_epi32(128 * x->sum[at]);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)),
+                              _mm512_set1_ps(x->scale[at]), acc);
+    }
+    const int64_t col0 = nb * COLS, live = p->n - col0 < COLS ? p->n - col0 : COLS;
+    const __mmask16 mask = (__mmask16)((1u << live) - 1u);
+    /* The tiles' operations, lane for lane. */
+    const __m512 bias = p->bias ? _mm512_maskz_loadu_ps(mask, p->bias + col0) : _mm512_setzero_ps();
+    __m512 v = _mm512_fmadd_ps(acc, _mm512_maskz_loadu_ps(mask, p->scale + col0), bias);
+    if (p->residual)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p->residual + row * p->residual_stride + col0));
+    _mm512_mask_storeu_ps(p->out + row * p->out_stride + col0, mask, v);
+}
 #endif
 
 /* Rows [row0, row0 + rows) against blocks [nb0, nb0 + blocks), the tile's constants
@@ -308,6 +344,12 @@ static void int8_blocks(const Problem *p, const Rows *x, int wide, int64_t first
     int tile_rows = AVX2_ROWS, tile_blocks = AVX2_BLOCKS;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
     if (wide) tile_rows = VNNI_ROWS, tile_blocks = VNNI_BLOCKS;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    if (wide && p->m == 1) { /* one stream, one block at a time */
+        for (int64_t nb = first; nb < last; nb++) row_vnni(p, x, 0, nb);
+        return;
+    }
 #endif
     int64_t chunk = x->kp ? CHUNK_BYTES / (x->kp * COLS) : last - first;
     chunk = (chunk < tile_blocks ? tile_blocks : chunk) / tile_blocks * tile_blocks;
