@@ -49,7 +49,7 @@ A slot is ``block_id * block_size + offset`` (``-1`` = skip: padding).
 Block sizes are powers of two so kernels split a slot with shifts and masks.
 Block starts are 256-byte aligned: ``block_bytes`` is checked to be a multiple
 of 256 in ``new_kv_pool`` (the pool's base pointer is allocator-aligned; a CPU
-pool of 4 MiB or more starts on a 2 MiB huge page, ``host_pool_memory``).
+pool of 4 MiB or more starts on a 2 MiB huge page, ``huge_page_memory``).
 
 Refcounts and all other metadata live in host memory (cache/), never here.
 """
@@ -64,7 +64,7 @@ from typing import NamedTuple
 import torch
 
 BLOCK_ALIGN_BYTES = 256
-# The huge page size; a CPU pool of two or more lies on them (``host_pool_memory``).
+# The huge page size; a CPU pool of two or more lies on them (``huge_page_memory``).
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
 # The dtype of a quantized pool's data, and of its scales.
@@ -158,13 +158,14 @@ def new_kv_pool(
     pin = pin_memory and torch.device(device).type == "cpu" and torch.cuda.is_available()
     total = nbytes * num_blocks
     if torch.device(device).type == "cpu" and not pin and total >= 2 * HUGE_PAGE_BYTES:
-        return host_pool_memory(total).view(dtype).view(dims)
+        return huge_page_memory(total).view(dtype).view(dims)
     return torch.zeros(dims, dtype=dtype, device=device, pin_memory=pin)
 
 
-def host_pool_memory(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed CPU memory from a 2 MiB boundary, advised to Linux as huge
-    pages (``madvise(MADV_HUGEPAGE)``, before the first touch).
+def huge_page_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed CPU memory (uint8) from a 2 MiB boundary, advised to Linux as
+    huge pages (``madvise(MADV_HUGEPAGE)``, before the first touch): for the pool, and
+    for a model's packed matrices (``kernels.weight_pages``).
 
     Decode attention reads a sequence's blocks in table order, and they lie anywhere in
     the pool: on 4 KiB pages each block of a layer costs TLB misses (its K rows, its V

@@ -32,6 +32,7 @@ from kernels.cpu.decoder import LayerWeights, decoder_weights
 from kernels.kv_layout import QUANT_DTYPE, KVShape, scale_layers_for
 from kernels.linear import LINEARS, choose_layout, exact_in_bf16
 from kernels.step.bind import StepDims, StepOps, bind_step
+from kernels.weight_pages import on_huge_pages
 
 
 class LlamaModel:
@@ -104,6 +105,7 @@ class LlamaModel:
                 layer.down_weight = pack(layer.down_weight)
             # The embedding stays plain for lookups; a tied head gets its own packed copy.
             self._lm_head = pack(weights.lm_head)
+            self._settle_on_huge_pages(weights)
         # The layers as the native step's one-call loop reads them (None: it cannot).
         self.native_layers = decoder_weights(
             [
@@ -119,6 +121,17 @@ class LlamaModel:
                 for layer in weights.layers
             ]
         )
+
+    def _settle_on_huge_pages(self, weights: ModelWeights) -> None:
+        """The packed matrices into one huge-page region in the order a step reads them
+        (``kernels.weight_pages``)."""
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        matrices = [getattr(layer, name) for layer in weights.layers for name in names]
+        placed = iter(on_huge_pages([*matrices, self._lm_head]))
+        for layer in weights.layers:
+            for name in names:
+                setattr(layer, name, next(placed))
+        self._lm_head = next(placed)
 
     def kv_shape(self, block_size: int) -> KVShape:
         """The KV pool shape this model needs for a given block size (a pool of it holds

@@ -341,7 +341,8 @@ static void tile_at(const Problem *p, const Rows *x, int wide, int rows, int64_t
 /* Column blocks [first, last), all m rows: a chunk of blocks at a time, every row tile
  * over the chunk, so the chunk's weights come from memory once and from L2 after. */
 static void int8_blocks(const Problem *p, const Rows *x, int wide, int64_t first, int64_t last) {
-    int tile_rows = AVX2_ROWS, tile_blocks = AVX2_BLOCKS;
+    /* One row: one block at a time, one stream (as row_vnni). */
+    int tile_rows = AVX2_ROWS, tile_blocks = p->m == 1 ? 1 : AVX2_BLOCKS;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
     if (wide) tile_rows = VNNI_ROWS, tile_blocks = VNNI_BLOCKS;
 #endif

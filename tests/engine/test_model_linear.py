@@ -3,6 +3,8 @@ model's prepack_weights maps to the layout the kernels allow here."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,9 @@ from kernels.backend import (
     pair_linears_available,
     tile_linears_available,
 )
+from kernels.kv_layout import HUGE_PAGE_BYTES
 from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout, exact_in_bf16
+from tests.memory_maps import vm_flags
 
 CPU = torch.device("cpu")
 
@@ -163,3 +167,15 @@ def test_the_chunked_layout_sums_a_row_the_same_whatever_the_step(dtype):
         assert torch.equal(linears.linear_add(x, weight, residual), batch)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_models_matrices_lie_in_the_order_a_step_reads_them(smollm2_fp32):
+    model = smollm2_fp32.model
+    assert model.prepacked
+    layers = model.weights.layers
+    names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+    starts = [getattr(layer, name).packed.data_ptr() for layer in layers for name in names]
+    starts.append(model._lm_head.packed.data_ptr())
+    assert starts == sorted(starts) and starts[0] % HUGE_PAGE_BYTES == 0
+    if Path("/sys/kernel/mm/transparent_hugepage").is_dir():
+        assert "hg" in vm_flags(starts[-1])

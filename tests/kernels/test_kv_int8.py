@@ -32,6 +32,7 @@ from kernels.kv_layout import (
     scale_views,
 )
 from kernels.kv_quant import dequantize_rows, quantize_rows
+from tests.memory_maps import vm_flags
 
 # Attention over int8 K/V against attention over the K/V before quantization: each
 # value is off by at most half its row's step (max|x| / 254), which moves a score by
@@ -51,19 +52,6 @@ def test_a_smollm2_block_holds_its_scales_and_keeps_the_alignment():
         assert num_layers(pool) == layers
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The kernel's flags of the mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32])
 def test_a_large_cpu_pool_lies_on_huge_pages_zeroed(dtype):
     shape = KVShape(30, 16, 3, 64)
@@ -74,7 +62,7 @@ def test_a_large_cpu_pool_lies_on_huge_pages_zeroed(dtype):
     assert pool.data_ptr() % HUGE_PAGE_BYTES == 0
     assert not pool.view(torch.uint8).any()
     if Path("/sys/kernel/mm/transparent_hugepage").is_dir():  # a kernel with THP
-        assert "hg" in _vm_flags(pool.data_ptr())  # MADV_HUGEPAGE marks the mapping
+        assert "hg" in vm_flags(pool.data_ptr())  # MADV_HUGEPAGE marks the mapping
     small = new_kv_pool(2, KVShape(2, 4, 2, 16), dtype, "cpu")  # tests' pools: plain zeros
     assert not small.any()
 
