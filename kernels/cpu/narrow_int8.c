@@ -9,13 +9,13 @@
  *   W[n][k]  ~ ws[n] * q[n][k]         kernels/cpu/narrow_linear.py: quantize_int8
  *   out[r][n] = ws[n] * sum_g xs[r][g] * (sum_{k in g} xq[r][k] q[n][k])  (+ bias) (+ residual)
  *
- * A group's integer sum is exact however it was added up (|sum| <= 64 * 127 * 127 < 2^24,
+ * A group's integer sum is exact however it was added up (|sum| <= 32 * 127 * 127 < 2^24,
  * so exact in fp32 too). The groups are then summed in fp32 in ascending order, one FMA
  * each from zero, then one fused x ws[n] + bias, then + residual: every lane the same
  * operations on the VNNI and the AVX2 tiles, at any row count and on any thread, so a
  * row's output does not depend on the step it is in nor on the CPU's vector width. Why
- * groups of 64 and not one scale per row: docs/benchmarks.md (a row's outlier channels
- * cost 4 % perplexity at one scale per row, 0.5 % at 64).
+ * groups of 32 and not one scale per row: docs/benchmarks.md (a row's outlier channels
+ * cost 3.8 % perplexity at one scale per row, 0.5 % at 32).
  *
  * Packed layout (narrow_pack.c), K padded with zeros to KP, a multiple of GROUP; 16-column
  * blocks, four consecutive k of one column adjacent (the four bytes dpbusd sums per lane):

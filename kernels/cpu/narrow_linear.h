@@ -24,7 +24,7 @@ enum { FORMAT_BF16 = 0, FORMAT_INT8 = 1, FORMAT_F32 = 2 };
 
 /* int8: x is quantized with one scale per GROUP values of a row (narrow_int8.c), and K
  * is stored padded to a multiple of it. kernels/cpu/narrow_linear.py: ACTIVATION_GROUP. */
-enum { GROUP = 64 };
+enum { GROUP = 32 };
 
 static inline int64_t int8_padded_k(int64_t k) {
     return (k + GROUP - 1) / GROUP * GROUP;

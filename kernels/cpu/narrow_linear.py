@@ -32,9 +32,9 @@ from kernels.validate import check_linear_inputs
 
 FORMATS = {"bf16": 0, "int8": 1, "fp32": 2}  # narrow_linear.c: FORMAT_*
 INT8_LEVELS = 127  # symmetric: -127..127, so a row's largest magnitude is stored exactly
-# int8: x's values per scale (narrow_linear.h: GROUP). One scale per row cost 4 % perplexity
-# (a row's outlier channels), 64 values 0.5 % (docs/benchmarks.md).
-ACTIVATION_GROUP = 64
+# int8: x's values per scale (narrow_linear.h: GROUP). One scale per row cost 3.8 %
+# perplexity (a row's outlier channels), 32 values 0.5 % (docs/benchmarks.md).
+ACTIVATION_GROUP = 32
 
 
 class NarrowWeight(NamedTuple):

@@ -178,7 +178,7 @@ def test_a_different_model_dtype_or_block_size_never_loads_foreign_kv(
     int8_fingerprint = model_fingerprint(int8, torch.float32, shape, 0, None)
     assert int8_fingerprint != fingerprint
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("chatsvc.engine.kv_disk.fingerprint.ACTIVATION_GROUP", 32)
+        patch.setattr("chatsvc.engine.kv_disk.fingerprint.ACTIVATION_GROUP", 64)
         assert model_fingerprint(int8, torch.float32, shape, 0, None) != int8_fingerprint
     with engine_on(smollm2_fp32, config(tmp_path, block_size=32)) as other:
         assert other.disk_tier.num_found == 0 and other.disk_tier.directory.path != own_dir

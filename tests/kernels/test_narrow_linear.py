@@ -108,20 +108,22 @@ def test_int8_quantization_is_symmetric_per_row_and_keeps_each_rows_peak():
     assert float(scale[5]) == 0.0 and bool((back[5] == 0).all())
 
 
-def test_rows_are_quantized_per_group_of_64_and_keep_each_groups_peak():
+def test_rows_are_quantized_per_group_and_keep_each_groups_peak():
+    g = ACTIVATION_GROUP
+    k = 2 * g + g // 3  # the third group partial
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 150, generator=gen)
+    x = torch.randn(5, k, generator=gen)
     x[1, 3] = 900.0  # an outlier: only its own group's step grows
-    x[2, 64:128] = 0.0  # an all-zero group: step 0, zeros back
+    x[2, g : 2 * g] = 0.0  # an all-zero group: step 0, zeros back
     q, step = quantize_rows(x)
-    assert q.shape == (5, 192) and step.shape == (5, 3) and q.dtype == torch.int8
-    assert bool((q[:, 150:] == 0).all())  # the padding
+    assert q.shape == (5, 3 * g) and step.shape == (5, 3) and q.dtype == torch.int8
+    assert bool((q[:, k:] == 0).all())  # the padding
     assert int(q.abs().max()) == 127 and int(q.min()) >= -127
-    back = (q.float().view(5, 3, 64) * step[:, :, None]).view(5, 192)[:, :150]
-    groups = torch.nn.functional.pad(x, (0, 42)).view(5, 3, 64)
+    back = (q.float().view(5, 3, g) * step[:, :, None]).view(5, 3 * g)[:, :k]
+    groups = torch.nn.functional.pad(x, (0, 3 * g - k)).view(5, 3, g)
     assert torch.allclose(step, groups.abs().amax(dim=2) / 127)
-    assert bool(((back - x).abs() <= step.repeat_interleave(64, 1)[:, :150] / 2 * 1.0001).all())
-    assert float(step[2, 1]) == 0.0 and bool((back[2, 64:128] == 0).all())
+    assert bool(((back - x).abs() <= step.repeat_interleave(g, 1)[:, :k] / 2 * 1.0001).all())
+    assert float(step[2, 1]) == 0.0 and bool((back[2, g : 2 * g] == 0).all())
     assert float(step[1, 0]) > 7 > float(step[1, 1])  # the outlier's group only
 
 
