@@ -133,6 +133,9 @@ static inline void finish_avx2(const float *acc, int64_t col0, int64_t n, const 
 
 enum { AVX2_ROWS = 2, AVX2_BLOCKS = 2 };
 
+/* Quantized rows up to this size live on the caller's stack (8 rows of K = 1536). */
+enum { SMALL_SCRATCH_BYTES = 16 * 1024 };
+
 /* Rows [row0, row0 + rows) against blocks [nb0, nb0 + blocks) with AVX2's maddubs.
  * `rows` and `blocks` are constants in each caller, so the accumulators (two per row and
  * block: columns 0-7 and 8-15) stay in registers; the fp32 sums live in `acc`. */
@@ -371,7 +374,11 @@ int narrow_int8_run(const Problem *p, int wide, int num_threads) {
     const int64_t kp = int8_padded_k(p->k), groups = kp / GROUP;
     const int64_t nbs = (p->n + COLS - 1) / COLS;
     const size_t q_bytes = (size_t)(p->m * kp + 63) / 64 * 64;
-    char *scratch = aligned_alloc(64, q_bytes + (size_t)(p->m * groups) * 8 + 64);
+    const size_t bytes = q_bytes + (size_t)(p->m * groups) * 8 + 64;
+    /* A decode step's few rows on the stack: a heap block per call, 121 calls a step,
+     * kept malloc's consolidation busy. */
+    char small[SMALL_SCRATCH_BYTES] __attribute__((aligned(64)));
+    char *scratch = bytes <= sizeof small ? small : aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!scratch) return -1;
     const Rows x = {kp, groups, (int8_t *)scratch, (float *)(scratch + q_bytes),
                     (int32_t *)(scratch + q_bytes) + p->m * groups};
@@ -382,7 +389,7 @@ int narrow_int8_run(const Problem *p, int wide, int num_threads) {
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
         int8_blocks(p, &x, wide, nbs * t / team, nbs * (t + 1) / team);
     }
-    free(scratch);
+    if (scratch != small) free(scratch);
     return 0;
 }
 #endif
