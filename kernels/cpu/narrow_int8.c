@@ -39,7 +39,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
-/* x's rows quantized per group (one allocation, quantize_rows fills it). */
+/* x's rows quantized per group (one scratch area, quantize_row fills it). */
 typedef struct {
     int64_t kp, groups;
     int8_t *q;     /* [m][kp] */
@@ -198,6 +198,18 @@ static inline __attribute__((always_inline)) void tile_avx2(
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 enum { VNNI_ROWS = 4, VNNI_BLOCKS = 4 };
 
+/* finish_avx2's operations, lane for lane, on one zmm: out's 16 columns from col0 of
+ * `row`, the last block's missing columns masked off. */
+static inline void finish_avx512(__m512 acc, int64_t col0, const Problem *p, int64_t row) {
+    const int64_t live = p->n - col0 < COLS ? p->n - col0 : COLS;
+    const __mmask16 mask = (__mmask16)((1u << live) - 1u);
+    const __m512 bias = p->bias ? _mm512_maskz_loadu_ps(mask, p->bias + col0) : _mm512_setzero_ps();
+    __m512 v = _mm512_fmadd_ps(acc, _mm512_maskz_loadu_ps(mask, p->scale + col0), bias);
+    if (p->residual)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p->residual + row * p->residual_stride + col0));
+    _mm512_mask_storeu_ps(p->out + row * p->out_stride + col0, mask, v);
+}
+
 /* Rows [row0, row0 + rows) against blocks [nb0, nb0 + blocks) with dpbusd: one zmm is a
  * block's 16 columns x 4 k. Per k-quad a tile reads 64 bytes of each of its blocks, four
  * streams the hardware prefetchers serve worse than one, so it prefetches the next tile's
@@ -257,21 +269,9 @@ static inline __attribute__((always_inline)) void tile_vnni(
 #undef DOT
 #undef FLUSH_ONE
 #undef FLUSH
-    for (int r = 0; r < rows; r++) {
-        const int64_t row = row0 + r;
-        const float *residual = p->residual ? p->residual + row * p->residual_stride : 0;
-        float *out = p->out + row * p->out_stride;
-        for (int b = 0; b < blocks; b++) {
-            const int64_t col0 = (nb0 + b) * COLS, live = p->n - col0 < COLS ? p->n - col0 : COLS;
-            const __mmask16 mask = (__mmask16)((1u << live) - 1u);
-            /* The AVX2 tiles' operations, lane for lane. */
-            const __m512 bias = p->bias ? _mm512_maskz_loadu_ps(mask, p->bias + col0) : _mm512_setzero_ps();
-            __m512 v = _mm512_fmadd_ps(_mm512_load_ps(acc[r][b]),
-                                       _mm512_maskz_loadu_ps(mask, p->scale + col0), bias);
-            if (residual) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, residual + col0));
-            _mm512_mask_storeu_ps(out + col0, mask, v);
-        }
-    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < blocks; b++)
+            finish_avx512(_mm512_load_ps(acc[r][b]), (nb0 + b) * COLS, p, row0 + r);
 }
 
 /* One row (a decode step) against one block, with dpbusd: a thread's blocks lie one after
@@ -300,14 +300,7 @@ static void row_vnni(const Problem *p, const Rows *x, int64_t row, int64_t nb) {
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)),
                               _mm512_set1_ps(x->scale[at]), acc);
     }
-    const int64_t col0 = nb * COLS, live = p->n - col0 < COLS ? p->n - col0 : COLS;
-    const __mmask16 mask = (__mmask16)((1u << live) - 1u);
-    /* The tiles' operations, lane for lane. */
-    const __m512 bias = p->bias ? _mm512_maskz_loadu_ps(mask, p->bias + col0) : _mm512_setzero_ps();
-    __m512 v = _mm512_fmadd_ps(acc, _mm512_maskz_loadu_ps(mask, p->scale + col0), bias);
-    if (p->residual)
-        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p->residual + row * p->residual_stride + col0));
-    _mm512_mask_storeu_ps(p->out + row * p->out_stride + col0, mask, v);
+    finish_avx512(acc, nb * COLS, p, row);
 }
 #endif
 
