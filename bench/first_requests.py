@@ -38,6 +38,7 @@ import httpx
 from bench.live_server import REPO, free_port, wait_until
 from bench.multiturn.client import RequestRecord, stream_chat
 from bench.multiturn.words import WORDS
+from chatsvc.store.embedded import die_with_parent
 
 TARGET = 1.3  # the first request's TTFT over the last one's, at most (issue 31)
 
@@ -146,6 +147,7 @@ def main() -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,  # a bench killed by a timeout leaves no service
         )
     try:
         wait_for(process, f"{base_url}/healthz", None, args.ready_timeout)

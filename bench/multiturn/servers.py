@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from bench.live_server import free_port
+from chatsvc.store.embedded import die_with_parent
 
 SYSTEMS = ("ours", "ours-nocache", "hf", "hf-cb", "llama")
 LLAMA_SLOTS = 8  # parallel sequences of llama-server: the benchmark's default concurrency
@@ -121,6 +122,9 @@ class RunningServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # A killed bench leaves no server. Linux signals it when the *thread* that
+            # started it exits: the CLIs start their servers from their main threads.
+            preexec_fn=die_with_parent,
         )
 
     def wait_ready(self, timeout_s: float) -> float:

@@ -59,10 +59,11 @@ def server_binary() -> Path:
     return get_binary_path()
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: ask Linux to SIGTERM the server when the
-    # process that started it dies, so a crashed service leaves no orphan
-    # server writing to the data dir (SIGTERM makes valkey save and exit).
+def die_with_parent() -> None:
+    """A ``preexec_fn``: runs in the child before exec and asks Linux to SIGTERM it when
+    the thread that started it dies (a SIGKILL included). A crashed service then leaves
+    no orphan server writing to the data dir (SIGTERM makes valkey save and exit); a
+    killed benchmark leaves no service behind. Elsewhere it does nothing."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
@@ -272,7 +273,7 @@ class EmbeddedRedis:
                     # owner-only; no window in which another user could open it.
                     umask=0o077,
                     start_new_session=True,  # a Ctrl-C meant for us must not kill it mid-write
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                     # The child inherits the data-dir lock: even if it outlived us,
                     # no second server could open the same AOF.
                     pass_fds=(self._lock_fd,),

@@ -137,7 +137,7 @@ import threading, time, redis
 import chatsvc.store.embedded as embedded
 from chatsvc.store.embedded import EmbeddedRedis
 if not {parent_death_signal!r}:
-    embedded._die_with_parent = lambda: None  # as where there is no PR_SET_PDEATHSIG
+    embedded.die_with_parent = lambda: None  # as where there is no PR_SET_PDEATHSIG
 server = EmbeddedRedis({str(data_dir)!r})
 starter = threading.Thread(target=server.start)
 starter.start(); starter.join()
