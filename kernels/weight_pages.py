@@ -3,8 +3,8 @@
 A decode step streams every matrix from memory once per step. On 4 KiB pages every
 page of a matrix costs a TLB walk and the hardware prefetchers start again at each
 page's edge; on 2 MiB pages one int8 linear of one row took 0.85-0.91x the time
-(docs/benchmarks.md, "Weights on huge pages"). One region for the whole model, in the
-step's order, also makes a step's reads one ascending sweep.
+(docs/kernels.md and docs/benchmarks.md, "weights on huge pages"). One region for the
+whole model, in the step's order, also makes a step's reads one ascending sweep.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def on_huge_pages(weights: Sequence[Packed]) -> list[Packed]:
     for weight, move in zip(weights, movable, strict=True):
         offsets.append(total)
         if move:
-            total += -(-_nbytes(weight.packed) // ALIGN_BYTES) * ALIGN_BYTES
+            total += -(-weight.packed.nbytes // ALIGN_BYTES) * ALIGN_BYTES
     if total == 0:
         return list(weights)
     region = huge_page_memory(total)
@@ -39,14 +39,10 @@ def on_huge_pages(weights: Sequence[Packed]) -> list[Packed]:
         if not move:
             placed.append(weight)
             continue
-        home = region[start : start + _nbytes(weight.packed)].view(weight.packed.dtype)
+        home = region[start : start + weight.packed.nbytes].view(weight.packed.dtype)
         home.copy_(weight.packed.reshape(-1))
         placed.append(weight._replace(packed=home))
     return placed
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _movable(weight: object) -> bool:

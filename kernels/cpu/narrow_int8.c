@@ -39,6 +39,10 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define CHATSVC_INT8_VNNI 1 /* the dpbusd tiles, where `wide` asks for them */
+#endif
+
 /* x's rows quantized per group (one scratch area, quantize_row fills it). */
 typedef struct {
     int64_t kp, groups;
@@ -195,7 +199,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(CHATSVC_INT8_VNNI)
 enum { VNNI_ROWS = 4, VNNI_BLOCKS = 4 };
 
 /* finish_avx2's operations, lane for lane, on one zmm: out's 16 columns from col0 of
@@ -308,7 +312,7 @@ static void row_vnni(const Problem *p, const Rows *x, int64_t row, int64_t nb) {
  * spelled out so each copy unrolls. */
 static void tile_at(const Problem *p, const Rows *x, int wide, int rows, int64_t row0,
                     int blocks, int64_t nb0, int64_t next_blocks) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(CHATSVC_INT8_VNNI)
     if (wide) {
 #define T(R, B) tile_vnni(R, B, p, x, row0, nb0, next_blocks)
 #define BLOCK_COUNTS(R)                                           \
@@ -337,16 +341,14 @@ static void tile_at(const Problem *p, const Rows *x, int wide, int rows, int64_t
 /* Column blocks [first, last), all m rows: a chunk of blocks at a time, every row tile
  * over the chunk, so the chunk's weights come from memory once and from L2 after. */
 static void int8_blocks(const Problem *p, const Rows *x, int wide, int64_t first, int64_t last) {
-    /* One row: one block at a time, one stream (as row_vnni). */
+    /* One row: one block at a time, one stream. */
     int tile_rows = AVX2_ROWS, tile_blocks = p->m == 1 ? 1 : AVX2_BLOCKS;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    if (wide) tile_rows = VNNI_ROWS, tile_blocks = VNNI_BLOCKS;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    if (wide && p->m == 1) { /* one stream, one block at a time */
+#if defined(CHATSVC_INT8_VNNI)
+    if (wide && p->m == 1) {
         for (int64_t nb = first; nb < last; nb++) row_vnni(p, x, 0, nb);
         return;
     }
+    if (wide) tile_rows = VNNI_ROWS, tile_blocks = VNNI_BLOCKS;
 #endif
     int64_t chunk = x->kp ? CHUNK_BYTES / (x->kp * COLS) : last - first;
     chunk = (chunk < tile_blocks ? tile_blocks : chunk) / tile_blocks * tile_blocks;

@@ -5,8 +5,9 @@
  *   narrow_int8.c           the int8 format: integer dot products against quantized x
  *   narrow_pack.c           the packing of a matrix into the blocks
  *
- * Both sum every output the one way narrow_linear.c's comment describes, so a build's
- * results do not depend on which tiles ran them. Everything here trusts its arguments:
+ * The tiles of a format sum every output the one way its file's comment describes
+ * (bf16, fp32: narrow_linear.c; int8: narrow_int8.c), so a build's results do not
+ * depend on which tiles ran them. Everything here trusts its arguments:
  * the Python wrapper (kernels/cpu/narrow_linear.py) checked them.
  */
 

@@ -110,8 +110,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The kernel's own quantization, bit for bit."""
     m, k = x.shape
     padded = -(-k // ACTIVATION_GROUP) * ACTIVATION_GROUP
-    groups = F.pad(x.float(), (0, padded - k)).view(m, -1, ACTIVATION_GROUP)
-    step = groups.abs().amax(dim=2) / INT8_LEVELS if padded else groups.new_zeros(m, 0)
+    groups = F.pad(x.float(), (0, padded - k)).view(m, padded // ACTIVATION_GROUP, ACTIVATION_GROUP)
+    step = groups.abs().amax(dim=2) / INT8_LEVELS
     safe = torch.where(step > 0, step, torch.ones_like(step))
     q = torch.round(groups / safe[:, :, None]).clamp(-INT8_LEVELS, INT8_LEVELS)
     return q.to(torch.int8).view(m, padded), step
