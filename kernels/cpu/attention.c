@@ -95,15 +95,36 @@ static void attend_item(const Args *a, const Item *it, float *scratch, float *pa
     attend_widening(a, it, scratch, partials, head_dim);
 }
 
-/* With fewer items than threads (a lone decode of up to a span's keys), the threads
- * past them would only wait: each whole item (written out directly, its own tokens)
- * becomes one item per KV head, appended (tiles keep their item indices). Returns the
- * item count. */
-static int64_t cut_by_heads(Item *items, int64_t n, int32_t num_threads, int32_t num_kv_heads) {
-    if (n >= num_threads || num_kv_heads < 2) return n;
+/* Keys times tokens of an item: the keys its last token reads (causal). */
+static int64_t item_work(const Args *a, const Item *it) {
+    const int32_t b = it->seq;
+    const int32_t prefix = a->context_lens[b] - (a->query_start[b + 1] - a->query_start[b]);
+    const int32_t stop = prefix + it->q_end < it->key_end ? prefix + it->q_end : it->key_end;
+    return (int64_t)(stop > it->key_begin ? stop - it->key_begin : 0) * (it->q_end - it->q_begin);
+}
+
+/* Where a few items cannot keep every thread busy, each becomes one item per KV head,
+ * appended (tiles keep their item indices): fewer items than threads (a lone decode of
+ * up to a span's keys), or one item holding more than a thread's share of the work (a
+ * lone decode just past a span: 256 keys and 1, which one thread would walk alone).
+ * A head's rows are computed alike either way, and a cut piece writes its heads' rows
+ * of the partials the merge reads. Shared-prefix items stay whole. Only where no
+ * thread takes whole tiles (`by_tile`: those run a tile's own items) and there are at
+ * most 2 x num_threads items (the room left for the cut). Returns the item count. */
+static int64_t cut_by_heads(const Args *a, Item *items, int64_t n, int32_t num_threads,
+                            int by_tile) {
+    const int32_t num_kv_heads = a->num_kv_heads;
+    if (num_kv_heads < 2 || by_tile || n > 2 * (int64_t)num_threads) return n;
+    int64_t total = 0, most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t work = item_work(a, &items[i]);
+        total += work;
+        most = work > most ? work : most;
+    }
+    if (n >= num_threads && most * num_threads <= total) return n;
     const int64_t whole = n;
     for (int64_t i = 0; i < whole; i++) {
-        if (items[i].partial >= 0 || items[i].tokens) continue;
+        if (items[i].tokens) continue;
         for (int32_t h = 1; h < num_kv_heads; h++) {
             items[n] = items[i];
             items[n].head_begin = h;
@@ -216,9 +237,9 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
                              ? 1
                              : (4 * num_threads + num_tiles - 1) / num_tiles;
     const int64_t max_items = span > 0 ? num_spans : num_tiles * want;
-    /* Room for `cut_by_heads`: fewer items than threads, each cut into one per KV head. */
-    Item *items =
-        malloc(sizeof(Item) * (max_items + num_groups + 1 + (int64_t)num_threads * num_kv_heads));
+    /* Room for `cut_by_heads`: up to 2 x num_threads items, each cut into one per KV head. */
+    Item *items = malloc(sizeof(Item) *
+                         (max_items + num_groups + 1 + 2 * (int64_t)num_threads * num_kv_heads));
     Tile *tiles = malloc(sizeof(Tile) * (num_tiles + 1));
     int64_t *parts = malloc(sizeof(int64_t) * (max_items + num_tiles + 1));
     int32_t *shared_tokens = malloc(sizeof(int32_t) * (num_tokens + 1));
@@ -288,7 +309,6 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
         }
         if (g >= 0) member_token[g] += q_len;
     }
-    const int64_t num_items = cut_by_heads(items, n, num_threads, num_kv_heads);
 
     float *partials = partial_rows ? malloc(sizeof(float) * partial_rows * (head_dim + 2)) : NULL;
     const int64_t rows = (int64_t)q_tile * num_q_heads;
@@ -301,6 +321,7 @@ int chatsvc_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_
      * still keeps every thread busy) and the merges follow them all. A row's pieces and
      * its merge are the same either way. */
     const int by_tile = num_groups == 0 && num_tiles >= 2 * (int64_t)num_threads;
+    const int64_t num_items = cut_by_heads(&a, items, n, num_threads, by_tile);
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = aligned_alloc(64, scratch_bytes);
