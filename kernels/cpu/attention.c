@@ -95,8 +95,10 @@ static void attend_item(const Args *a, const Item *it, float *scratch, float *pa
     attend_widening(a, it, scratch, partials, head_dim);
 }
 
-/* Keys times tokens of an item: the keys its last token reads (causal). */
+/* Keys times tokens of an item: the keys its last token reads (causal; a shared-prefix
+ * item's tokens all read every shared key). */
 static int64_t item_work(const Args *a, const Item *it) {
+    if (it->tokens) return (int64_t)(it->key_end - it->key_begin) * (it->q_end - it->q_begin);
     const int32_t b = it->seq;
     const int32_t prefix = a->context_lens[b] - (a->query_start[b + 1] - a->query_start[b]);
     const int32_t stop = prefix + it->q_end < it->key_end ? prefix + it->q_end : it->key_end;
