@@ -4,9 +4,9 @@ They are compiled on first use with the machine's C compiler (``$CC``, else
 ``gcc``) for this CPU (``-march=native``) and cached as a shared library in the
 build directory (``set_build_dir``: the engine passes ``kernels/`` of the
 service's data directory; default ``~/.cache/chatsvc/kernels``), named by a hash
-of the sources, the flags, the compiler and the CPU, so an edit or another
-machine builds afresh. Concurrent builders each write a temporary file and
-rename it into place.
+of the sources, the flags, the compiler (where it resolves, its version) and the
+CPU, so an edit, another compiler or another machine builds afresh. Concurrent
+builders each write a temporary file and rename it into place.
 
 Where no compiler works, ``library()`` returns None once it has logged why, and
 the kernels fall back to the torch reference (``kernels.backend``).
@@ -143,17 +143,30 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.stdout else ""
 
 
+def library_key(compiler: str, flags: list[str]) -> str:
+    """What names a cached library: the sources, the flags, the compiler (where it
+    resolves and its version: a wrapper of the same gcc that adds flags of its own is
+    another compiler) and the CPU."""
+    key = hashlib.sha256()
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    where = shutil.which(compiler)
+    for part in (
+        *sources,
+        " ".join(flags).encode(),
+        str(Path(where).resolve() if where else compiler).encode(),
+        _compiler_version(compiler).encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    key.update(_cpu_signature().encode())
+    return key.hexdigest()[:16]
+
+
 def build(compiler: str, flags: list[str]) -> Path:
     """Compile ``SOURCES`` into one library with ``flags`` unless one of the same key is
     cached; its path. Raises RuntimeError (with the compiler's message) when the build fails.
     """
-    key = hashlib.sha256()
-    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
-    for part in (*sources, " ".join(flags).encode(), _compiler_version(compiler).encode()):
-        key.update(part)
-        key.update(b"\0")
-    key.update(_cpu_signature().encode())
-    target = _private_build_dir(build_dir()) / f"{LIBRARY}-{key.hexdigest()[:16]}.so"
+    target = _private_build_dir(build_dir()) / f"{LIBRARY}-{library_key(compiler, flags)}.so"
     if os.path.lexists(target):
         reason = untrusted_reason(target)
         if reason is None:

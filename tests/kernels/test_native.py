@@ -98,6 +98,18 @@ def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
     assert second != first and first.exists() and second.exists()
 
 
+def test_a_wrapper_of_the_same_compiler_keys_another_library(tmp_path):
+    """A `CC` script that runs gcc with flags of its own reports gcc's version: its
+    library must not be taken for gcc's (nor gcc's for its)."""
+    wrapper = tmp_path / "gcc-no-avx512"
+    wrapper.write_text('#!/bin/sh\nexec gcc "$@" -mno-avx512f\n')
+    wrapper.chmod(0o755)
+    flags = native.default_flags()
+    assert native._compiler_version(str(wrapper)) == native._compiler_version("gcc")
+    assert native.library_key(str(wrapper), flags) != native.library_key("gcc", flags)
+    assert native.library_key("gcc", flags) == native.library_key("gcc", flags)
+
+
 def test_a_failed_build_raises_with_the_compiler_message(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     with pytest.raises(RuntimeError, match="gcc failed"):
