@@ -223,19 +223,60 @@ static inline __attribute__((always_inline)) void add_quad_sums(float *acc, floa
     }
 }
 
-/* acc = acc * alpha + unit * (sum over key quads of the quad's bytes . V quad k). */
-static inline __attribute__((always_inline)) void accumulate_row_bytes(
-    float *acc, float alpha, __m512i bytes, float unit, int quads, const int32_t *vq,
-    const int D) {
+/* For each of R rows: acc = acc * alpha + unit * (sum over key quads of the quad's
+ * bytes . V quad k). The rows go together: each quad of V is loaded once for all of
+ * them, and their chains of dot products interleave. */
+static inline __attribute__((always_inline)) void accumulate_rows_bytes(
+    float *const *acc, const float *alpha, const __m512i *bytes, const float *unit, int quads,
+    const int32_t *vq, const int D, const int R) {
     const int P = quad_dims(D);
-    __m512i x[P / 16];
-    for (int c = 0; c < P / 16; c++) x[c] = _mm512_setzero_si512();
+    __m512i x[4][8]; /* fixed sizes: registers, not a VLA on the stack */
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < P / 16; c++) x[j][c] = _mm512_setzero_si512();
     for (int k = 0; k < quads; k++) {
-        const __m512i w = _mm512_permutexvar_epi32(_mm512_set1_epi32(k), bytes);
+        const __m512i at = _mm512_set1_epi32(k);
+        __m512i v[8];
         for (int c = 0; c < P / 16; c++)
-            x[c] = _mm512_dpbusd_epi32(x[c], w, _mm512_load_si512(vq + ((int64_t)k * (P / 16) + c) * 16));
+            v[c] = _mm512_load_si512(vq + ((int64_t)k * (P / 16) + c) * 16);
+        for (int j = 0; j < R; j++) {
+            const __m512i w = _mm512_permutexvar_epi32(at, bytes[j]);
+            for (int c = 0; c < P / 16; c++) x[j][c] = _mm512_dpbusd_epi32(x[j][c], w, v[c]);
+        }
     }
-    add_quad_sums(acc, alpha, x, unit, D);
+    for (int j = 0; j < R; j++) add_quad_sums(acc[j], alpha[j], x[j], unit[j], D);
+}
+
+/* One step of R (<= 4) rows of one query token and KV head: the scores against kt, the
+ * softmax update, then P.V against vq, each stage for all R rows before the next. */
+static inline __attribute__((always_inline)) void rows_step_bytes(
+    const Args *a, const ItemState *s, const QueryBytes *b, const uint32_t *kt,
+    const int32_t *vq, int first_row, int seen, const int D, const int R) {
+    const uint32_t *rows[4];
+    __m512i sums[8], bytes[4];
+    float *acc[4], alpha[4], unit[4];
+    for (int j = 0; j < R; j++) rows[j] = (const uint32_t *)(b->q + (int64_t)(first_row + j) * D);
+    scores_rows_bytes(rows, kt, D, R, sums);
+    const __m512 k_scale0 = _mm512_load_ps(s->ks), k_scale1 = _mm512_load_ps(s->ks + TILE);
+    for (int j = 0; j < R; j++) {
+        const int r = first_row + j;
+        const __m512i bias = _mm512_set1_epi32(b->bias[r]);
+        const __m512 row_scale = _mm512_set1_ps(b->scale[r]);
+        const __m512 raw0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j], bias)),
+                                          _mm512_mul_ps(k_scale0, row_scale));
+        const __m512 raw1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j + 1], bias)),
+            _mm512_mul_ps(k_scale1, row_scale));
+        bytes[j] = softmax_step32_bytes(raw0, raw1, seen, a->scale_log2, &s->m[r], &s->l[r],
+                                        &alpha[j], s->vs, &unit[j]);
+        acc[j] = s->acc + (int64_t)r * D;
+    }
+    const int quads = (seen + 3) / 4;
+    if (quad_dims(D) <= 128 && R * (quad_dims(D) / 16) <= 16) { /* the rows' sums fit in registers together */
+        accumulate_rows_bytes(acc, alpha, bytes, unit, quads, vq, D, R);
+    } else {
+        for (int j = 0; j < R; j++)
+            accumulate_rows_bytes(&acc[j], &alpha[j], &bytes[j], &unit[j], quads, vq, D, 1);
+    }
 }
 
 /* One step of up to 2 x 16 keys of one KV head against the rows of that head. */
@@ -255,38 +296,17 @@ static inline __attribute__((always_inline)) void tile_head_bytes(
     most = most > n ? n : most;
     load_k_bytes(a, offsets, ahead, n, D, kt);
     load_v_quads(a, offsets, n, (most + 3) / 4, D, vq);
-    const __m512 k_scale0 = _mm512_load_ps(s->ks), k_scale1 = _mm512_load_ps(s->ks + TILE);
     for (int i = q_begin; i < q_end; i++) {
         int seen = prefix + i - first + 1;
         if (seen <= 0) continue;
         seen = seen > n ? n : seen;
         const int first_row = (i - q_begin) * Hq + h * G;
         for (int g0 = 0; g0 < G; g0 += 4) {
-            const int R = G - g0 < 4 ? G - g0 : 4;
-            const uint32_t *rows[4];
-            __m512i sums[8];
-            for (int j = 0; j < R; j++)
-                rows[j] = (const uint32_t *)(b.q + (int64_t)(first_row + g0 + j) * D);
-            switch (R) { /* literal row counts: the row loops unroll into registers */
-                case 1: scores_rows_bytes(rows, kt, D, 1, sums); break;
-                case 2: scores_rows_bytes(rows, kt, D, 2, sums); break;
-                case 3: scores_rows_bytes(rows, kt, D, 3, sums); break;
-                default: scores_rows_bytes(rows, kt, D, 4, sums); break;
-            }
-            for (int j = 0; j < R; j++) {
-                const int r = first_row + g0 + j;
-                const __m512i bias = _mm512_set1_epi32(b.bias[r]);
-                const __m512 row_scale = _mm512_set1_ps(b.scale[r]);
-                const __m512 raw0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j], bias)),
-                                                  _mm512_mul_ps(k_scale0, row_scale));
-                const __m512 raw1 = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j + 1], bias)),
-                    _mm512_mul_ps(k_scale1, row_scale));
-                float alpha, unit;
-                const __m512i bytes = softmax_step32_bytes(raw0, raw1, seen, a->scale_log2, &m[r],
-                                                           &l[r], &alpha, s->vs, &unit);
-                accumulate_row_bytes(acc + (int64_t)r * D, alpha, bytes, unit, (seen + 3) / 4,
-                                     vq, D);
+            switch (G - g0) { /* literal row counts: the row loops unroll into registers */
+                case 1: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 1); break;
+                case 2: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 2); break;
+                case 3: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 3); break;
+                default: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 4); break;
             }
         }
     }
