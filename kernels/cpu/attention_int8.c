@@ -3,8 +3,9 @@
  *
  *   scores: each query row quantized once per item, symmetric int8 with a scale per
  *           row (as the cache quantizes a key: max |q| / 127, round-half-even), and
- *           dotted with the keys' bytes by vpdpbusd (4 dims per dword; K as dword
- *           columns, one 16x16 dword transpose per 64 dims of 16 keys). vpdpbusd takes
+ *           dotted with the keys' bytes by vpdpbusd (4 dims per dword; K as loaded,
+ *           put in order by unpacks within 128-bit lanes, the lanes' partial sums
+ *           added once per 16 keys and row: `score_head_rows`). vpdpbusd takes
  *           one operand unsigned, so the keys go in biased by 128 and the row's
  *           128 * sum(q) comes off the exact int32 sum. A score is then
  *           float(sum) * (the row's scale * the key's scale).
@@ -86,36 +87,80 @@ static void quantize_queries(const Args *a, const Item *it, const ItemState *s, 
     }
 }
 
-/* kt[(half * D / 4 + j) * 16 + t] (dwords) = dims 4j .. 4j + 3 of key 16 half + t, each
- * byte + 128; zeros past n. Prefetches the next step's rows as `load_k_pairs` does. */
-static inline void load_k_bytes(const Args *a, const int64_t *offsets, const int64_t *ahead,
-                                int n, const int D, uint32_t *restrict kt) {
+/* The rows of KV head h whose integer scores one K pass computes: 128 bytes each (32
+ * keys) in the K tile's scratch of TILE * D floats. */
+static inline int score_rows_cap(const int D) { return D / 2; }
+
+/* Integer scores (the row's 128 * sum(q) still on) of `count` rows of KV head h from
+ * head row k0 (head row k = token q_begin + k / G, query head h * G + k % G) against
+ * the step's n keys: sc[(k - k0) * 32 + t] for key t, zeros past n.
+ *
+ * No transpose of K leaves the 128-bit lanes: per 4 keys, two rounds of in-lane unpacks
+ * give vector j with dword 4L + j of the 4 keys in lane L; a row's dword 4L + j,
+ * broadcast within lane L, dotted with it (vpdpbusd) and summed over j leaves each key
+ * 4 partial sums, one per lane, added across lanes once per 16 keys and row. The sums
+ * are exact integers, so they are the same whichever way they are grouped. Keys go in
+ * biased by 128 (vpdpbusd's unsigned operand). `prefetch`: also fetch the next step's
+ * rows, as `load_k_pairs` does. */
+static inline __attribute__((always_inline)) void score_head_rows(
+    const Args *a, const QueryBytes *b, const int64_t *offsets, const int64_t *ahead, int n,
+    int h, int k0, int count, int prefetch, int32_t *restrict sc, const int D) {
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     for (int half = 0; half < 2; half++) {
         const int64_t *off = offsets + half * TILE, *next = ahead + half * TILE;
         const int live = n - half * TILE;
-        uint32_t *dst = kt + (int64_t)half * (D / 4) * TILE;
-        if (live <= 0) { /* masked scores, but finite */
-            memset(dst, 0, sizeof(uint32_t) * (D / 4) * TILE);
+        if (live <= 0) { /* masked scores, but defined */
+            for (int k = 0; k < count; k++)
+                _mm512_store_si512(sc + k * 32 + half * TILE, _mm512_setzero_si512());
             continue;
         }
         for (int c = 0; c < D; c += 64) {
             const int bytes = D - c < 64 ? D - c : 64;
             const __mmask64 mask = bytes == 64 ? ~(__mmask64)0 : ((__mmask64)1 << bytes) - 1;
-            __m512 r[TILE];
-            for (int t = 0; t < TILE; t++) {
-                if (next[t] >= 0) {
-                    prefetch_kv((const char *)a->k + next[t] + c);
-                    prefetch_kv((const char *)a->v + next[t] + c);
+            __m512i lanes[TILE]; /* [4 * quad + j] */
+            for (int quad = 0; quad < 4; quad++) {
+                __m512i r[4];
+                for (int i = 0; i < 4; i++) {
+                    const int t = 4 * quad + i;
+                    if (prefetch && next[t] >= 0) {
+                        prefetch_kv((const char *)a->k + next[t] + c);
+                        prefetch_kv((const char *)a->v + next[t] + c);
+                    }
+                    r[i] = t < live ? _mm512_xor_si512(
+                                          _mm512_maskz_loadu_epi8(mask, (const int8_t *)a->k + off[t] + c),
+                                          bias)
+                                    : _mm512_setzero_si512();
                 }
-                r[t] = t < live ? _mm512_castsi512_ps(_mm512_xor_si512(
-                                      _mm512_maskz_loadu_epi8(mask, (const int8_t *)a->k + off[t] + c),
-                                      bias))
-                                : _mm512_setzero_ps();
+                const __m512i lo01 = _mm512_unpacklo_epi32(r[0], r[1]), hi01 = _mm512_unpackhi_epi32(r[0], r[1]);
+                const __m512i lo23 = _mm512_unpacklo_epi32(r[2], r[3]), hi23 = _mm512_unpackhi_epi32(r[2], r[3]);
+                lanes[4 * quad + 0] = _mm512_unpacklo_epi64(lo01, lo23);
+                lanes[4 * quad + 1] = _mm512_unpackhi_epi64(lo01, lo23);
+                lanes[4 * quad + 2] = _mm512_unpacklo_epi64(hi01, hi23);
+                lanes[4 * quad + 3] = _mm512_unpackhi_epi64(hi01, hi23);
             }
-            transpose16(r);
-            for (int j = 0; j < bytes / 4; j++)
-                _mm512_store_ps((float *)dst + (int64_t)(c / 4 + j) * TILE, r[j]);
+            for (int k = 0; k < count; k++) {
+                const int row = (k0 + k) / G * Hq + h * G + (k0 + k) % G;
+                const __m512i q = _mm512_maskz_loadu_epi8(mask, b->q + (int64_t)row * D + c);
+                const __m512i qj[4] = {_mm512_shuffle_epi32(q, 0x00), _mm512_shuffle_epi32(q, 0x55),
+                                       _mm512_shuffle_epi32(q, 0xAA), _mm512_shuffle_epi32(q, 0xFF)};
+                __m512i part[4]; /* per quad: lane L, dword p = key 4 quad + p over dims of lane L */
+                for (int quad = 0; quad < 4; quad++) {
+                    part[quad] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lanes[4 * quad], qj[0]);
+                    for (int j = 1; j < 4; j++)
+                        part[quad] = _mm512_dpbusd_epi32(part[quad], lanes[4 * quad + j], qj[j]);
+                }
+                /* Lanes summed: dword 4 quad + p of the result = key 4 quad + p. */
+                const __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(part[0], part[1], 0x44),
+                                                     _mm512_shuffle_i32x4(part[0], part[1], 0xEE));
+                const __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(part[2], part[3], 0x44),
+                                                     _mm512_shuffle_i32x4(part[2], part[3], 0xEE));
+                __m512i sum = _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88),
+                                               _mm512_shuffle_i32x4(s01, s23, 0xDD));
+                int32_t *dst = sc + k * 32 + half * TILE;
+                if (c > 0) sum = _mm512_add_epi32(sum, _mm512_load_si512(dst));
+                _mm512_store_si512(dst, sum);
+            }
         }
     }
 }
@@ -149,31 +194,6 @@ static inline void load_v_quads(const Args *a, const int64_t *offsets, int n, in
             _mm512_store_si512(dst + 48, _mm512_unpackhi_epi16(hi01, hi23));
         }
     }
-}
-
-/* Integer scores of R quantized rows (dwords of 4 dims) against both halves of kt:
- * out[2j + half]. Four chains per row (half x even/odd dwords). */
-static inline __attribute__((always_inline)) void scores_rows_bytes(
-    const uint32_t *const *rows, const uint32_t *kt, const int D, const int R, __m512i *out) {
-    __m512i even[2][4], odd[2][4];
-    for (int half = 0; half < 2; half++)
-        for (int j = 0; j < R; j++) even[half][j] = odd[half][j] = _mm512_setzero_si512();
-    for (int i = 0; i < D / 4; i += 2) {
-        for (int half = 0; half < 2; half++) {
-            const uint32_t *col = kt + ((int64_t)half * (D / 4) + i) * TILE;
-            const __m512i k0 = _mm512_load_si512(col);
-            const __m512i k1 = _mm512_load_si512(col + TILE);
-            for (int j = 0; j < R; j++) {
-                even[half][j] =
-                    _mm512_dpbusd_epi32(even[half][j], k0, _mm512_set1_epi32((int)rows[j][i]));
-                odd[half][j] =
-                    _mm512_dpbusd_epi32(odd[half][j], k1, _mm512_set1_epi32((int)rows[j][i + 1]));
-            }
-        }
-    }
-    for (int j = 0; j < R; j++)
-        for (int half = 0; half < 2; half++)
-            out[2 * j + half] = _mm512_add_epi32(even[half][j], odd[half][j]);
 }
 
 /* Online-softmax update of one row with the scores of up to 32 keys, as `softmax_step32`
@@ -246,26 +266,24 @@ static inline __attribute__((always_inline)) void accumulate_rows_bytes(
     for (int j = 0; j < R; j++) add_quad_sums(acc[j], alpha[j], x[j], unit[j], D);
 }
 
-/* One step of R (<= 4) rows of one query token and KV head: the scores against kt, the
- * softmax update, then P.V against vq, each stage for all R rows before the next. */
+/* One step of R (<= 4) rows of one query token and KV head, from their integer scores
+ * `sc` (32 per row): the softmax update, then P.V against vq, each stage for all R rows
+ * before the next. */
 static inline __attribute__((always_inline)) void rows_step_bytes(
-    const Args *a, const ItemState *s, const QueryBytes *b, const uint32_t *kt,
+    const Args *a, const ItemState *s, const QueryBytes *b, const int32_t *sc,
     const int32_t *vq, int first_row, int seen, const int D, const int R) {
-    const uint32_t *rows[4];
-    __m512i sums[8], bytes[4];
+    __m512i bytes[4];
     float *acc[4], alpha[4], unit[4];
-    for (int j = 0; j < R; j++) rows[j] = (const uint32_t *)(b->q + (int64_t)(first_row + j) * D);
-    scores_rows_bytes(rows, kt, D, R, sums);
     const __m512 k_scale0 = _mm512_load_ps(s->ks), k_scale1 = _mm512_load_ps(s->ks + TILE);
     for (int j = 0; j < R; j++) {
         const int r = first_row + j;
         const __m512i bias = _mm512_set1_epi32(b->bias[r]);
         const __m512 row_scale = _mm512_set1_ps(b->scale[r]);
-        const __m512 raw0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j], bias)),
+        const __m512i sum0 = _mm512_load_si512(sc + 32 * j), sum1 = _mm512_load_si512(sc + 32 * j + TILE);
+        const __m512 raw0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum0, bias)),
                                           _mm512_mul_ps(k_scale0, row_scale));
-        const __m512 raw1 = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[2 * j + 1], bias)),
-            _mm512_mul_ps(k_scale1, row_scale));
+        const __m512 raw1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum1, bias)),
+                                          _mm512_mul_ps(k_scale1, row_scale));
         bytes[j] = softmax_step32_bytes(raw0, raw1, seen, a->scale_log2, &s->m[r], &s->l[r],
                                         &alpha[j], s->vs, &unit[j]);
         acc[j] = s->acc + (int64_t)r * D;
@@ -279,35 +297,44 @@ static inline __attribute__((always_inline)) void rows_step_bytes(
     }
 }
 
-/* One step of up to 2 x 16 keys of one KV head against the rows of that head. */
+/* One step of up to 2 x 16 keys of one KV head against the rows of that head: their
+ * scores in passes of up to `score_rows_cap` rows (one pass for a decode or a few
+ * tokens), each pass's rows then in groups of up to 4 of one token. */
 static inline __attribute__((always_inline)) void tile_head_bytes(
     const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
     const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
     (void)ctx;
     const QueryBytes b = query_bytes(s, D);
-    float *acc = s->acc, *m = s->m, *l = s->l;
-    uint32_t *kt = (uint32_t *)s->kt;
+    int32_t *sc = (int32_t *)s->kt; /* score_rows_cap(D) rows of 32 */
     int32_t *vq = (int32_t *)s->v_tile; /* 32 * quad_dims(D) bytes: inside TILE * D floats */
     const int32_t prefix = s->prefix;
     const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
+    const int rows = (q_end - q_begin) * G, cap = score_rows_cap(D);
     /* The last row sees the most keys of the step. */
     int most = prefix + (q_end - 1) - first + 1;
     most = most > n ? n : most;
-    load_k_bytes(a, offsets, ahead, n, D, kt);
     load_v_quads(a, offsets, n, (most + 3) / 4, D, vq);
-    for (int i = q_begin; i < q_end; i++) {
-        int seen = prefix + i - first + 1;
-        if (seen <= 0) continue;
-        seen = seen > n ? n : seen;
-        const int first_row = (i - q_begin) * Hq + h * G;
-        for (int g0 = 0; g0 < G; g0 += 4) {
-            switch (G - g0) { /* literal row counts: the row loops unroll into registers */
-                case 1: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 1); break;
-                case 2: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 2); break;
-                case 3: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 3); break;
-                default: rows_step_bytes(a, s, &b, kt, vq, first_row + g0, seen, D, 4); break;
+    for (int k0 = 0; k0 < rows; k0 += cap) {
+        const int count = rows - k0 < cap ? rows - k0 : cap;
+        score_head_rows(a, &b, offsets, ahead, n, h, k0, count, k0 == 0, sc, D);
+        for (int k = k0; k < k0 + count;) {
+            const int i = q_begin + k / G, g = k % G;
+            int R = G - g < 4 ? G - g : 4;
+            R = k0 + count - k < R ? k0 + count - k : R;
+            int seen = prefix + i - first + 1;
+            seen = seen > n ? n : seen;
+            if (seen > 0) {
+                const int32_t *own = sc + (k - k0) * 32;
+                const int first_row = (i - q_begin) * Hq + h * G + g;
+                switch (R) { /* literal row counts: the row loops unroll into registers */
+                    case 1: rows_step_bytes(a, s, &b, own, vq, first_row, seen, D, 1); break;
+                    case 2: rows_step_bytes(a, s, &b, own, vq, first_row, seen, D, 2); break;
+                    case 3: rows_step_bytes(a, s, &b, own, vq, first_row, seen, D, 3); break;
+                    default: rows_step_bytes(a, s, &b, own, vq, first_row, seen, D, 4); break;
+                }
             }
+            k += R;
         }
     }
 }

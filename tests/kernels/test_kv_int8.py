@@ -209,6 +209,13 @@ def test_head_sizes_other_than_64(head_dim):
     check_int8([23, 40], [1, 4], 8, 2, 2, head_dim, torch.bfloat16)
 
 
+@pytest.mark.parametrize("head_dim, group", [(32, 3), (64, 8)])
+def test_more_rows_of_a_kv_head_than_one_pass_of_key_scores_holds(head_dim, group):
+    # The byte dots score a KV head's rows in passes of head_dim / 2 rows: six new tokens
+    # of 3 or 8 query heads per KV head take two passes, one token's rows cut between them.
+    check_int8([23, 40], [6, 6], 8, 2, group, head_dim, torch.bfloat16)
+
+
 def test_a_small_head_size_on_the_widening_loops():
     check_int8([23, 40], [1, 4], 8, 2, 2, 16, torch.float32)
 
