@@ -314,10 +314,12 @@ static inline __attribute__((always_inline)) void tile_head_bytes(
     /* The last row sees the most keys of the step. */
     int most = prefix + (q_end - 1) - first + 1;
     most = most > n ? n : most;
-    load_v_quads(a, offsets, n, (most + 3) / 4, D, vq);
     for (int k0 = 0; k0 < rows; k0 += cap) {
         const int count = rows - k0 < cap ? rows - k0 : cap;
         score_head_rows(a, &b, offsets, ahead, n, h, k0, count, k0 == 0, sc, D);
+        /* V after K: its rows, prefetched a step ago, are loaded later in the step, and
+         * wait less (docs/benchmarks.md, int8 KV). */
+        if (k0 == 0) load_v_quads(a, offsets, n, (most + 3) / 4, D, vq);
         for (int k = k0; k < k0 + count;) {
             const int i = q_begin + k / G, g = k % G;
             int R = G - g < 4 ? G - g : 4;
