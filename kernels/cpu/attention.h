@@ -177,13 +177,20 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-static inline __attribute__((always_inline)) __m512 exp2_nonpositive16(__m512 x) {
+/* 2^x for x <= 0, the Taylor series of 2^f (|f| <= 1/2) to degree `degree` (7: within
+ * fp32 rounding; 4: within 4.2e-5 relative, for weights that are then rounded to 8 bits). */
+static inline __attribute__((always_inline)) __m512 exp2_nonpositive16_degree(__m512 x,
+                                                                                const int degree) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
-    for (int c = 1; c < 8; c++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[c]));
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[7 - degree]);
+    for (int c = 8 - degree; c < 8; c++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[c]));
     return _mm512_scalef_ps(p, n);
+}
+
+static inline __attribute__((always_inline)) __m512 exp2_nonpositive16(__m512 x) {
+    return exp2_nonpositive16_degree(x, 7);
 }
 #endif
 
@@ -277,11 +284,12 @@ static inline void load_v_pairs(const Args *a, const int64_t *offsets, int n, in
 
 /* The weights of up to 32 keys (raw dot products of keys 0-15 and 16-31; the first `seen`
  * count) against the row's running max `m`: p0, p1 (zeros past `seen`), and the new max,
- * returned. What each pair path's softmax step shares. */
+ * returned; exp2 to `degree` (`exp2_nonpositive16_degree`). What each pair path's softmax
+ * step shares. */
 static inline __attribute__((always_inline)) float softmax_weights32(__m512 raw0, __m512 raw1,
                                                                      int seen, float scale_log2,
                                                                      float m, __m512 *p0,
-                                                                     __m512 *p1) {
+                                                                     __m512 *p1, const int degree) {
     const uint32_t live = seen >= 32 ? 0xffffffffu : (1u << seen) - 1u;
     const __mmask16 live0 = (__mmask16)live, live1 = (__mmask16)(live >> 16);
     const __m512 scale = _mm512_set1_ps(scale_log2), minus_inf = _mm512_set1_ps(-INFINITY);
@@ -290,8 +298,8 @@ static inline __attribute__((always_inline)) float softmax_weights32(__m512 raw0
     const float step_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
     const float top = step_top > m ? step_top : m;
     const __m512 t = _mm512_set1_ps(top);
-    *p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16(_mm512_sub_ps(s0, t)));
-    *p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16(_mm512_sub_ps(s1, t)));
+    *p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive16_degree(_mm512_sub_ps(s0, t), degree));
+    *p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive16_degree(_mm512_sub_ps(s1, t), degree));
     return top;
 }
 
@@ -302,7 +310,7 @@ static inline __attribute__((always_inline)) __m512i softmax_step32(__m512 raw0,
                                                                     float *m, float *l,
                                                                     float *alpha) {
     __m512 p0, p1;
-    const float top = softmax_weights32(raw0, raw1, seen, scale_log2, *m, &p0, &p1);
+    const float top = softmax_weights32(raw0, raw1, seen, scale_log2, *m, &p0, &p1, 7);
     const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
     /* The weights P.V will use, widened back for their sum. */
     const __m512 lo = _mm512_castsi512_ps(
