@@ -54,11 +54,14 @@ static inline QueryBytes query_bytes(const ItemState *s, const int D) {
  * float paths. */
 static void quantize_queries(const Args *a, const Item *it, const ItemState *s, void *ctx,
                              const int D) {
-    (void)a, (void)it, (void)ctx;
+    (void)ctx;
     const QueryBytes b = query_bytes(s, D);
     const uint16_t *q = (const uint16_t *)s->q;
     const __m512 limit = _mm512_set1_ps(127.0f);
+    const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     for (int r = 0; r < s->rows; r++) {
+        const int kv_head = (r % Hq) / G; /* an item cut by KV head reads its heads' rows only */
+        if (kv_head < it->head_begin || kv_head >= it->head_end) continue;
         const uint16_t *row = q + (int64_t)r * D;
         __m512 x[D / 16], amax = _mm512_setzero_ps();
         __mmask16 nan = 0;
