@@ -259,12 +259,14 @@ static inline __attribute__((always_inline)) void accumulate_rows_bytes(
     float *const *acc, const float *alpha, const __m512i *bytes, const float *unit, int quads,
     const int32_t *vq, const int D, const int R) {
     const int P = quad_dims(D);
-    __m512i x[4][8]; /* fixed sizes: registers, not a VLA on the stack */
+    /* Fixed sizes (head sizes up to 256: kernels/backend.py): with literal R and D the
+     * compiler keeps them in registers, where a VLA of vectors lived on the stack. */
+    __m512i x[4][16];
     for (int j = 0; j < R; j++)
         for (int c = 0; c < P / 16; c++) x[j][c] = _mm512_setzero_si512();
     for (int k = 0; k < quads; k++) {
         const __m512i at = _mm512_set1_epi32(k);
-        __m512i v[8];
+        __m512i v[16];
         for (int c = 0; c < P / 16; c++)
             v[c] = _mm512_load_si512(vq + ((int64_t)k * (P / 16) + c) * 16);
         for (int j = 0; j < R; j++) {
@@ -298,7 +300,7 @@ static inline __attribute__((always_inline)) void rows_step_bytes(
         acc[j] = s->acc + (int64_t)r * D;
     }
     const int quads = (seen + 3) / 4;
-    if (quad_dims(D) <= 128 && R * (quad_dims(D) / 16) <= 16) { /* the rows' sums fit in registers together */
+    if (R * (quad_dims(D) / 16) <= 16) { /* the rows' sums fit in registers together */
         accumulate_rows_bytes(acc, alpha, bytes, unit, quads, vq, D, R);
     } else {
         for (int j = 0; j < R; j++)

@@ -203,9 +203,10 @@ def test_scales_of_any_head_count_reach_the_byte_dots(num_kv_heads, block_size):
     check_int8([40, 77, 9], [1, 3, 9], block_size, num_kv_heads, 2, 64, torch.bfloat16)
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 128])
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
 def test_head_sizes_other_than_64(head_dim):
-    # bf16 queries take the byte dots, whose V quads work in 64 dims (32 and 96: a tail).
+    # bf16 queries take the byte dots, whose V quads work in 64 dims (32 and 96: a tail;
+    # 256: the largest, one row's P.V sums filling the registers).
     check_int8([23, 40], [1, 4], 8, 2, 2, head_dim, torch.bfloat16)
 
 
