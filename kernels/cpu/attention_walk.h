@@ -3,7 +3,7 @@
  *
  *   item_begin                       the item's scratch and its query rows
  *   for each step of keys            16 keys (widening loops) or 32 (pair paths)
- *     prefetch                       the next block (widening loops)
+ *     load_block_rows, prefetch      the blocks it starts, the next (widening loops)
  *     for each KV head
  *       item_offsets                 where the step's rows of this head lie
  *       item_scales                  their scales, for an int8 cache
@@ -41,6 +41,26 @@ static inline void prefetch_block(const Args *a, int64_t block) {
         prefetch_kv(ks + b);
         prefetch_kv(vs + b);
     }
+}
+
+/* KV heads [h0, h1) of a block's K and V rows, read with one plain load per cache line
+ * before the widening loops use them. Their tiles load K a row at a time behind the
+ * transposes that wait on it, so few of a cold block's lines are in flight at once; a
+ * burst of independent loads puts them all in flight together. Software prefetches of
+ * the next block alone did not do it: on the Zen 4 the step took the same time with
+ * them or without them (docs/benchmarks.md, "Blocks read in a burst"). */
+static inline void load_block_rows(const Args *a, int64_t block, int h0, int h1) {
+    const int size = kv_item_size(a->kv_dtype);
+    const int64_t row_bytes = (int64_t)(h1 - h0) * a->kv_stride_head * size;
+    const int64_t first = (block * a->kv_stride_block + (int64_t)h0 * a->kv_stride_head) * size;
+    unsigned sink = 0;
+    for (int t = 0; t < a->block_size; t++) {
+        const int64_t row = first + (int64_t)t * a->kv_stride_slot * size;
+        const char *k = (const char *)a->k + row, *v = (const char *)a->v + row;
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            sink += *(volatile const unsigned char *)(k + b) + *(volatile const unsigned char *)(v + b);
+    }
+    __asm__ volatile("" ::"r"(sink)); /* the loads are the point: keep them */
 }
 
 /* An int8 cache's scales of the `keys` keys from position `first` (none from `stop`
@@ -319,6 +339,10 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
     for (int32_t first = it->key_begin; first < s.stop; first += keys) {
         const int n = s.stop - first < keys ? s.stop - first : keys;
         if (!path->pairs) {
+            /* The blocks this step starts (one, or two of 8 keys) now, the next one ahead. */
+            for (int32_t pos = first; pos < first + n; pos += bs)
+                if ((pos & (bs - 1)) == 0)
+                    load_block_rows(a, table_block(s.table, pos, bs), it->head_begin, it->head_end);
             const int32_t next = first + (bs > TILE ? bs : TILE);
             if (next < s.stop && (first & (bs - 1)) == 0)
                 prefetch_block(a, table_block(s.table, next, bs));
