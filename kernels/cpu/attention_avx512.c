@@ -3,7 +3,8 @@
  * and KV head, K is widened to fp32 and transposed in registers (16x16 shuffles), so
  * a query row's 16 scores are D broadcast multiply-adds with no horizontal sums (up
  * to four rows of a head share each key load); an online softmax in exp2; then
- * acc = acc * alpha + p . V in D / 16 independent chains. The portable twin of this
+ * acc = acc * alpha + p . V in D / 16 independent chains, V read in place for fp32 and
+ * widened once per tile otherwise. The portable twin of this
  * file is attention_portable.c; the item walk that calls `tile_head` is
  * attention_walk.h. */
 
@@ -67,7 +68,7 @@ static inline __attribute__((always_inline)) void scores_rows(const float *const
  * stall on store forwarding). */
 static inline __attribute__((always_inline)) void accumulate_row(float *acc, float alpha,
                                                                  __m512 p, int seen,
-                                                                 const float *v_tile,
+                                                                 const float *const *v_rows,
                                                                  const int D) {
     __m512 x[D / 16];
     for (int c = 0; c < D / 16; c++)
@@ -75,7 +76,7 @@ static inline __attribute__((always_inline)) void accumulate_row(float *acc, flo
     for (int t = 0; t < seen; t++) {
         const __m512 weight = _mm512_permutexvar_ps(_mm512_set1_epi32(t), p);
         for (int c = 0; c < D / 16; c++)
-            x[c] = _mm512_fmadd_ps(weight, _mm512_load_ps(v_tile + t * D + 16 * c), x[c]);
+            x[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v_rows[t] + 16 * c), x[c]);
     }
     for (int c = 0; c < D / 16; c++) _mm512_store_ps(acc + 16 * c, x[c]);
 }
@@ -91,9 +92,17 @@ static inline __attribute__((always_inline)) void tile_head(
     const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     load_k_transposed(a, offsets, n, D, kt);
-    for (int t = 0; t < n; t++)
+    /* V's rows: fp32 read where they lie, other dtypes widened once for all rows. */
+    const float *v_rows[TILE];
+    for (int t = 0; t < n; t++) {
+        if (a->kv_dtype == DTYPE_F32) {
+            v_rows[t] = (const float *)a->v + offsets[t];
+            continue;
+        }
         for (int c = 0; c < D; c += 16)
             _mm512_store_ps(v_tile + t * D + c, load16_f32(a->v, offsets[t] + c, a->kv_dtype));
+        v_rows[t] = v_tile + t * D;
+    }
     /* int8: the keys' scales multiply their scores, the values' their weights. */
     const int quantized = a->kv_dtype == DTYPE_INT8;
     const __m512 k_scale = quantized ? _mm512_load_ps(s->ks) : _mm512_set1_ps(1.0f);
@@ -125,7 +134,7 @@ static inline __attribute__((always_inline)) void tile_head(
                 float alpha;
                 update_row(top, &m[r], &l[r], _mm512_reduce_add_ps(p), &alpha);
                 const __m512 weights = quantized ? _mm512_mul_ps(p, v_scale) : p;
-                accumulate_row(acc + (int64_t)r * D, alpha, weights, seen, v_tile, D);
+                accumulate_row(acc + (int64_t)r * D, alpha, weights, seen, v_rows, D);
             }
         }
     }
