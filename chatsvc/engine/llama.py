@@ -164,13 +164,11 @@ class LlamaModel:
         # Once per step here, so the kernels can skip their per-layer value checks.
         if not self.check_bounds:
             return
-        slots = batch.slot_mapping
-        if bool(((slots < -1) | (slots >= num_blocks * block_size)).any()):
+        if _outside(batch.slot_mapping, -1, num_blocks * block_size):
             raise ValueError(f"slot_mapping has slots outside [-1, {num_blocks * block_size})")
         if batch.block_tables.shape[1] * block_size < batch.max_context_len:
             raise ValueError("block_tables are too narrow for the longest context")
-        tables = batch.block_tables
-        if bool(((tables < 0) | (tables >= num_blocks)).any()):
+        if _outside(batch.block_tables, 0, num_blocks):
             raise ValueError(f"block_tables hold block ids outside [0, {num_blocks})")
 
     @torch.inference_mode()
@@ -218,6 +216,16 @@ class LlamaModel:
         return h
 
     __call__ = forward
+
+
+def _outside(values: torch.Tensor, low: int, stop: int) -> bool:
+    """Whether any of ``values`` lies outside [low, stop): one pass for both bounds (as
+    element-wise compares, an or and an any, a decode step's checks took longer than
+    its embedding)."""
+    if values.numel() == 0:
+        return False
+    lowest, highest = torch.aminmax(values)
+    return int(lowest) < low or int(highest) >= stop
 
 
 def _matrices(weights: ModelWeights):

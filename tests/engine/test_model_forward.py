@@ -100,6 +100,32 @@ def test_forward_rejects_a_pool_of_the_wrong_shape(smollm2_fp32, paged_driver):
         raise AssertionError("a pool with the wrong head count was accepted")
 
 
+@pytest.mark.parametrize(
+    ("slots", "tables", "message"),
+    [
+        ([[0, -2]], [[0]], "slot_mapping has slots outside"),
+        ([[0, 64]], [[0]], "slot_mapping has slots outside"),
+        ([[0, 1]], [[4]], "block_tables hold block ids outside"),
+        ([[0, 1]], [[-1]], "block_tables hold block ids outside"),
+        ([[-1, 63]], [[3]], None),  # padding and the pool's last slot and block are in
+    ],
+)
+def test_forward_checks_slots_and_block_ids_against_the_pool(smollm2_fp32, slots, tables, message):
+    from chatsvc.engine.forward_batch import ForwardBatch
+    from kernels.kv_layout import new_kv_pool
+
+    model = smollm2_fp32.model
+    pool = new_kv_pool(4, model.kv_shape(16), model.dtype, "cpu")
+    batch = ForwardBatch.from_lists([[1, 2]], [0], slots, tables, block_size=16)
+    if message is None:
+        assert model.forward(batch, pool).shape == (1, model.config.vocab_size)
+        return
+    before = pool.clone()
+    with pytest.raises(ValueError, match=message):
+        model.forward(batch, pool)
+    assert torch.equal(pool, before)  # refused before any K/V was written
+
+
 def test_bf16_model_tracks_fp32(smollm2_fp32, paged_driver):
     from chatsvc.engine.loader import load_model
 
