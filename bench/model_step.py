@@ -16,7 +16,11 @@ Figures, not assertions.
 the layout ``CHATSVC_WEIGHT_DTYPE`` would give it (fp32: oneDNN, bf16 and int8: the
 narrow blocks), and prints what a decode step reads (the matrices in their layout and
 the context's KV) against the machine's read bandwidth, measured in the same rounds
-(a sum over 512 MiB, interleaved with the steps): that time is the step's floor.
+(a sum over 512 MiB, interleaved with the steps): that time is the step's floor. Each
+round runs a model's steps back to back, as a decode loop does (``RUN`` of them), and
+prints two times: the steps of the run after its first, and the first step of each run,
+which follows the 512 MiB sum or another model's steps with nothing of its own left in
+the caches.
 
 ``--compare-invariant`` times the default model twice, with invariant kernels (the
 default, ``kernels.invariance``) and with the fastest kernels per step shape
@@ -346,6 +350,35 @@ def invariant_main(args) -> None:
         timed(f"prefill {args.prefill}", fns, args.prefill, max(5, args.steps // 3))
 
 
+# Decode steps a round of ``--weight-dtypes`` runs back to back per model.
+RUN = 8
+
+
+def interleaved_runs(
+    fns: dict[str, Callable[[], object]], rounds: int, run: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms per step of each function in runs of ``run`` calls, the functions taking
+    turns run by run (the order reversed every other round, as in ``interleaved_medians``):
+    the steps of each run after its first, and the first ones."""
+    for fn in fns.values():
+        fn()
+    later: dict[str, list[float]] = {name: [] for name in fns}
+    first: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            fn = fns[name]
+            for i in range(run):
+                start = time.perf_counter()
+                fn()
+                (later if i else first)[name].append(time.perf_counter() - start)
+    median = statistics.median
+    return (
+        {name: median(t) * 1e3 for name, t in later.items()},
+        {name: median(t) * 1e3 for name, t in first.items()},
+    )
+
+
 def weight_dtypes_main(args) -> None:
     """One model per weight dtype, decode steps beside the memory read that bounds them."""
     models = {}
@@ -360,16 +393,21 @@ def weight_dtypes_main(args) -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         fns = {name: ours_decode(loaded, batch, args.context) for name, loaded in models.items()}
         fns["memory read"] = read_memory()
-        ms = interleaved_medians(fns, args.steps)
+        ms, first = interleaved_runs(fns, max(3, args.steps // RUN), RUN)
+        first.pop("memory read")
         bandwidth = BANDWIDTH_BYTES / ms.pop("memory read") * 1e3  # bytes/s
-        print(f"decode B={batch} ctx={args.context}, read bandwidth {bandwidth / 1e9:.1f} GB/s:")
+        print(
+            f"decode B={batch} ctx={args.context}, read bandwidth {bandwidth / 1e9:.1f} GB/s "
+            f"(steps in runs of {RUN}; the first of a run apart):"
+        )
         for name, t in ms.items():
             nbytes = decode_bytes(models[name], batch, args.context)
             floor = nbytes / bandwidth * 1e3
             print(
                 f"  {name:<22} {t:6.1f} ms ({batch / t * 1e3:6.1f} tok/s)  reads "
                 f"{nbytes / 1e6:5.0f} MB = {nbytes / t / 1e6:4.1f} GB/s; "
-                f"floor {floor:5.1f} ms, step/floor {t / floor:.2f}x"
+                f"floor {floor:5.1f} ms, step/floor {t / floor:.2f}x; "
+                f"first of a run {first[name]:5.1f} ms ({first[name] / floor:.2f}x)"
             )
     if args.prefill:
         fns = {name: ours_prefill(loaded, args.prefill) for name, loaded in models.items()}

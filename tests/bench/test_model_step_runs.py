@@ -1,0 +1,32 @@
+"""bench.model_step's runs: each function's steps back to back, the first of a run apart."""
+
+from __future__ import annotations
+
+from bench.model_step import interleaved_runs
+
+
+def test_runs_take_turns_and_keep_the_first_step_of_each_apart(monkeypatch):
+    calls: list[str] = []
+    # Each call advances the clock by its own duration: "a" takes 10 s on the first step
+    # of a run and 1 s after it, "b" 20 s and 2 s.
+    now = [0.0]
+    cost = {"a": (10.0, 1.0), "b": (20.0, 2.0)}
+
+    def step(name: str):
+        def call() -> None:
+            first = not calls or calls[-1] != name
+            calls.append(name)
+            now[0] += cost[name][0 if first else 1]
+
+        return call
+
+    monkeypatch.setattr("bench.model_step.time.perf_counter", lambda: now[0])
+    later, first = interleaved_runs({"a": step("a"), "b": step("b")}, rounds=3, run=4)
+
+    assert calls[:2] == ["a", "b"]  # one warm-up call each
+    runs = ["".join(calls[i : i + 4]) for i in range(2, len(calls), 4)]
+    # Runs take turns, the order reversed every other round.
+    assert runs == ["aaaa", "bbbb", "bbbb", "aaaa", "aaaa", "bbbb"]
+    # Medians over the rounds: a run that follows its own function's run starts warm.
+    assert first == {"a": 10e3, "b": 20e3}  # ms
+    assert later == {"a": 1e3, "b": 2e3}
