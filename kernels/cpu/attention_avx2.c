@@ -70,14 +70,17 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n). */
-static inline void load_k_transposed(const Args *a, const int64_t *offsets, int n, const int D,
+/* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n); the next step's K
+ * and V rows (`ahead`) prefetched beside the loads. */
+static inline void load_k_transposed(const Args *a, const int64_t *offsets,
+                                     const int64_t *ahead, int n, const int D,
                                      float *restrict kt) {
     for (int c = 0; c < D; c += 8)
         for (int half = 0; half < 2; half++) {
             __m256 r[8];
             for (int t = 0; t < 8; t++) {
                 const int key = 8 * half + t;
+                prefetch_ahead(a, ahead, key, c);
                 r[t] = key < n ? load8_f32(a->k, offsets[key] + c, a->kv_dtype) : _mm256_setzero_ps();
             }
             transpose8(r);
@@ -136,14 +139,14 @@ static inline __attribute__((always_inline)) void accumulate_row(float *acc, flo
 static inline __attribute__((always_inline)) void tile_head(
     const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
     const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
-    (void)ahead, (void)ctx;
+    (void)ctx;
     const float *q = s->q;
     float *acc = s->acc, *m = s->m, *l = s->l, *kt = s->kt, *v_tile = s->v_tile;
     const int32_t prefix = s->prefix;
     const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     const float *v_rows[TILE];
-    load_k_transposed(a, offsets, n, D, kt);
+    load_k_transposed(a, offsets, ahead, n, D, kt);
     for (int t = 0; t < n; t++)
         v_rows[t] = row_f32(a->v, offsets[t], D, a->kv_dtype, v_tile + (int64_t)t * D);
     /* int8: the keys' scales multiply their scores, the values' their weights. */

@@ -24,14 +24,16 @@ static inline __m512 load16_f32(const void *base, int64_t offset, int dtype) {
 
 /* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n), so a query
  * row's scores are D broadcast-multiply-adds of whole vectors, with no
- * horizontal sums. */
-static inline void load_k_transposed(const Args *a, const int64_t *offsets, int n, int D,
-                                     float *restrict kt) {
+ * horizontal sums; the next step's K and V rows (`ahead`) prefetched beside the loads. */
+static inline void load_k_transposed(const Args *a, const int64_t *offsets,
+                                     const int64_t *ahead, int n, int D, float *restrict kt) {
     if (D % TILE == 0) {
         for (int c = 0; c < D; c += TILE) {
             __m512 r[TILE];
-            for (int t = 0; t < TILE; t++)
+            for (int t = 0; t < TILE; t++) {
+                prefetch_ahead(a, ahead, t, c);
                 r[t] = t < n ? load16_f32(a->k, offsets[t] + c, a->kv_dtype) : _mm512_setzero_ps();
+            }
             transpose16(r);
             for (int j = 0; j < TILE; j++) _mm512_store_ps(kt + (int64_t)(c + j) * TILE, r[j]);
         }
@@ -39,6 +41,7 @@ static inline void load_k_transposed(const Args *a, const int64_t *offsets, int 
     }
     float row[D];
     for (int t = 0; t < TILE; t++) {
+        for (int c = 0; c < D; c++) prefetch_ahead(a, ahead, t, c);
         const float *src = t < n ? row_f32(a->k, offsets[t], D, a->kv_dtype, row) : NULL;
         for (int d = 0; d < D; d++) kt[(int64_t)d * TILE + t] = src ? src[d] : 0.0f;
     }
@@ -85,13 +88,13 @@ static inline __attribute__((always_inline)) void accumulate_row(float *acc, flo
 static inline __attribute__((always_inline)) void tile_head(
     const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
     const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
-    (void)ahead, (void)ctx;
+    (void)ctx;
     const float *q = s->q;
     float *acc = s->acc, *m = s->m, *l = s->l, *kt = s->kt, *v_tile = s->v_tile;
     const int32_t prefix = s->prefix;
     const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
-    load_k_transposed(a, offsets, n, D, kt);
+    load_k_transposed(a, offsets, ahead, n, D, kt);
     /* V's rows: fp32 read where they lie, other dtypes widened once for all rows. */
     const float *v_rows[TILE];
     for (int t = 0; t < n; t++) {

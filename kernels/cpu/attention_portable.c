@@ -11,11 +11,13 @@
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 
 /* K of the tile's n tokens as kt[d * TILE + t] (fp32, zeros past n), so a query
- * row's scores are D multiply-adds of whole tiles, with no horizontal sums. */
-static inline void load_k_transposed(const Args *a, const int64_t *offsets, int n, int D,
-                                     float *restrict kt) {
+ * row's scores are D multiply-adds of whole tiles, with no horizontal sums; the next
+ * step's K and V rows (`ahead`) prefetched row by row. */
+static inline void load_k_transposed(const Args *a, const int64_t *offsets,
+                                     const int64_t *ahead, int n, int D, float *restrict kt) {
     float row[D];
     for (int t = 0; t < TILE; t++) {
+        for (int c = 0; c < D; c++) prefetch_ahead(a, ahead, t, c);
         const float *src = t < n ? row_f32(a->k, offsets[t], D, a->kv_dtype, row) : NULL;
         for (int d = 0; d < D; d++) kt[(int64_t)d * TILE + t] = src ? src[d] : 0.0f;
     }
@@ -25,14 +27,14 @@ static inline void load_k_transposed(const Args *a, const int64_t *offsets, int 
 static inline __attribute__((always_inline)) void tile_head(
     const Args *a, const Item *it, const ItemState *s, const int64_t *offsets,
     const int64_t *ahead, int32_t first, int n, int h, void *ctx, const int D) {
-    (void)ahead, (void)ctx;
+    (void)ctx;
     const float *q = s->q;
     float *acc = s->acc, *m = s->m, *l = s->l, *kt = s->kt, *v_tile = s->v_tile;
     const int32_t prefix = s->prefix;
     const int q_begin = it->q_begin, q_end = it->q_end;
     const int Hq = a->num_q_heads, G = Hq / a->num_kv_heads;
     const float *v_rows[TILE];
-    load_k_transposed(a, offsets, n, D, kt);
+    load_k_transposed(a, offsets, ahead, n, D, kt);
     for (int t = 0; t < n; t++)
         v_rows[t] = row_f32(a->v, offsets[t], D, a->kv_dtype, v_tile + (int64_t)t * D);
     /* int8: the keys' scales multiply their scores, the values' their weights. */

@@ -3,11 +3,12 @@
  *
  *   item_begin                       the item's scratch and its query rows
  *   for each step of keys            16 keys (widening loops) or 32 (pair paths)
- *     load_block_rows, prefetch      the blocks it starts, the next (widening loops)
+ *     prefetch_scales                an int8 cache's scales of the next step
  *     for each KV head
  *       item_offsets                 where the step's rows of this head lie
  *       item_scales                  their scales, for an int8 cache
- *       item_offsets_ahead           the next step's rows, to prefetch (pair paths)
+ *       item_offsets_ahead           the next step's rows, which the path's loads
+ *                                    prefetch as they go (prefetch_ahead)
  *       path->step                   the path's own loop over the step's keys
  *   item_end                         the output rows, or the item's partial states
  *
@@ -21,47 +22,6 @@
 #define CHATSVC_CPU_ATTENTION_WALK_H
 
 #include "attention.h"
-
-/* Both halves of the next block (and an int8 cache's scales of it), one cache line at a
- * time, while this one is used. `block`: the block's id. */
-static inline void prefetch_block(const Args *a, int64_t block) {
-    const int size = kv_item_size(a->kv_dtype);
-    const int64_t bytes = (int64_t)a->block_size * a->kv_stride_slot * size;
-    const char *k = (const char *)a->k + block * a->kv_stride_block * size;
-    const char *v = (const char *)a->v + block * a->kv_stride_block * size;
-    for (int64_t b = 0; b < bytes; b += 64) {
-        prefetch_kv(k + b);
-        prefetch_kv(v + b);
-    }
-    if (a->kv_dtype != DTYPE_INT8) return;
-    const int64_t scale_bytes = (int64_t)a->block_size * a->scale_stride_slot * 2;
-    const char *ks = (const char *)(a->k_scale + block * a->scale_stride_block);
-    const char *vs = (const char *)(a->v_scale + block * a->scale_stride_block);
-    for (int64_t b = 0; b < scale_bytes; b += 64) {
-        prefetch_kv(ks + b);
-        prefetch_kv(vs + b);
-    }
-}
-
-/* KV heads [h0, h1) of a block's K and V rows, read with one plain load per cache line
- * before the widening loops use them. Their tiles load K a row at a time behind the
- * transposes that wait on it, so few of a cold block's lines are in flight at once; a
- * burst of independent loads puts them all in flight together. Software prefetches of
- * the next block alone did not do it: on the Zen 4 the step took the same time with
- * them or without them (docs/benchmarks.md, "Blocks read in a burst"). */
-static inline void load_block_rows(const Args *a, int64_t block, int h0, int h1) {
-    const int size = kv_item_size(a->kv_dtype);
-    const int64_t row_bytes = (int64_t)(h1 - h0) * a->kv_stride_head * size;
-    const int64_t first = (block * a->kv_stride_block + (int64_t)h0 * a->kv_stride_head) * size;
-    unsigned sink = 0;
-    for (int t = 0; t < a->block_size; t++) {
-        const int64_t row = first + (int64_t)t * a->kv_stride_slot * size;
-        const char *k = (const char *)a->k + row, *v = (const char *)a->v + row;
-        for (int64_t b = 0; b < row_bytes; b += 64)
-            sink += *(volatile const unsigned char *)(k + b) + *(volatile const unsigned char *)(v + b);
-    }
-    __asm__ volatile("" ::"r"(sink)); /* the loads are the point: keep them */
-}
 
 /* An int8 cache's scales of the `keys` keys from position `first` (none from `stop`
  * on), one cache line at a time: they lie apart from the rows, in their block's slabs. */
@@ -243,20 +203,37 @@ static inline __attribute__((always_inline)) void item_scales(const Args *a, con
     }
 }
 
-/* The same for the 2 x TILE keys from `first`, -1 from `stop` on (what the dot-pair
- * and tile paths prefetch for their next step). */
+/* The same for the `keys` keys from `first`, -1 from `stop` on (what a path prefetches
+ * for its next step). */
 static inline __attribute__((always_inline)) void item_offsets_ahead(const Args *a,
                                                                      const int32_t *table,
                                                                      int32_t first, int32_t stop,
-                                                                     int h, int64_t *offsets) {
+                                                                     int keys, int h,
+                                                                     int64_t *offsets) {
     const int bs = a->block_size;
-    for (int t = 0; t < 2 * TILE; t++) {
+    for (int t = 0; t < keys; t++) {
         const int32_t pos = first + t;
         offsets[t] = pos >= stop ? -1
                                  : (int64_t)table_block(table, pos, bs) * a->kv_stride_block +
                                        (int64_t)(pos & (bs - 1)) * a->kv_stride_slot +
                                        (int64_t)h * a->kv_stride_head;
     }
+}
+
+/* The next step's K and V cache lines of key t's row that start at element c, if one
+ * starts there (rows start on 64-byte lines). The widening loops call it beside each
+ * load of this step's rows, so the prefetches come spread between the loads: issued
+ * as one burst per block, a block's 384 lines ahead of a step, they changed nothing on
+ * the Zen 4 (the same step time with or without them), spread they took fp32 decode to
+ * 0.61-0.77x (docs/benchmarks.md, "Prefetches spread through the loads"). */
+static inline __attribute__((always_inline)) void prefetch_ahead(const Args *a,
+                                                                 const int64_t *ahead, int t,
+                                                                 int c) {
+    const int size = kv_item_size(a->kv_dtype);
+    if (ahead[t] < 0 || (((int64_t)c * size) & 63) != 0) return;
+    const int64_t at = (ahead[t] + c) * size;
+    prefetch_kv((const char *)a->k + at);
+    prefetch_kv((const char *)a->v + at);
 }
 
 /* Write the item's rows: its partial states (m, l, acc) where it is one piece of a
@@ -305,8 +282,8 @@ static inline __attribute__((always_inline)) void item_end(const Args *a, const 
 }
 
 /* A path's loop over one step's `n` keys from position `first`, for KV head h: the
- * rows of those keys at `offsets` (elements), the next step's at `ahead` (pair paths:
- * -1 past the item's keys; the widening loops get none). `ctx` is the path's own. */
+ * rows of those keys at `offsets` (elements), the next step's at `ahead` (-1 past the
+ * item's keys). `ctx` is the path's own. */
 typedef void (*KeyStepFn)(const Args *a, const Item *it, const ItemState *s,
                           const int64_t *offsets, const int64_t *ahead, int32_t first, int n,
                           int h, void *ctx, const int D);
@@ -319,7 +296,7 @@ typedef struct {
     /* 1: a pair path (dot pairs, tile unit): the query rows kept as bf16, acc in the pair
      * order (attention.h), 32 keys per step and the next step's rows prefetched per head.
      * 0: the widening loops: fp32 query rows times the scale, 16 keys per step and the
-     * next block prefetched. */
+     * next step's rows prefetched beside this step's loads. */
     int pairs;
     ItemPrepareFn prepare; /* NULL: nothing to do */
     KeyStepFn step;
@@ -332,30 +309,18 @@ static inline __attribute__((always_inline)) void walk(const Args *a, const Item
     ItemState s = item_begin(a, it, scratch, D, path->pairs);
     if (path->prepare) path->prepare(a, it, &s, ctx, D);
     const int keys = path->pairs ? 2 * TILE : TILE;
-    const int bs = a->block_size;
     /* The step's rows of KV head 0 (and the next step's), once; head h's lie h heads on. */
     int64_t rows0[2 * TILE], ahead0[2 * TILE], offsets[2 * TILE], ahead[2 * TILE];
     const int quantized = a->kv_dtype == DTYPE_INT8;
     for (int32_t first = it->key_begin; first < s.stop; first += keys) {
         const int n = s.stop - first < keys ? s.stop - first : keys;
-        if (!path->pairs) {
-            /* The blocks this step starts (one, or two of 8 keys) now, the next one ahead. */
-            for (int32_t pos = first; pos < first + n; pos += bs)
-                if ((pos & (bs - 1)) == 0)
-                    load_block_rows(a, table_block(s.table, pos, bs), it->head_begin, it->head_end);
-            const int32_t next = first + (bs > TILE ? bs : TILE);
-            if (next < s.stop && (first & (bs - 1)) == 0)
-                prefetch_block(a, table_block(s.table, next, bs));
-        } else if (quantized) {
-            prefetch_scales(a, s.table, first + keys, s.stop, keys);
-        }
+        if (quantized) prefetch_scales(a, s.table, first + keys, s.stop, keys);
         item_offsets(a, s.table, first, n, 0, rows0);
-        if (path->pairs) item_offsets_ahead(a, s.table, first + keys, s.stop, 0, ahead0);
+        item_offsets_ahead(a, s.table, first + keys, s.stop, keys, 0, ahead0);
         for (int h = it->head_begin; h < it->head_end; h++) {
             const int64_t head = (int64_t)h * a->kv_stride_head;
             for (int t = 0; t < n; t++) offsets[t] = rows0[t] + head;
-            if (path->pairs)
-                for (int t = 0; t < 2 * TILE; t++) ahead[t] = ahead0[t] < 0 ? -1 : ahead0[t] + head;
+            for (int t = 0; t < keys; t++) ahead[t] = ahead0[t] < 0 ? -1 : ahead0[t] + head;
             if (quantized) item_scales(a, s.table, first, n, keys, h, s.ks, s.vs);
             path->step(a, it, &s, offsets, ahead, first, n, h, ctx, D);
         }
