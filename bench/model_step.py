@@ -56,17 +56,32 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], steps: int) -> dic
     that read the same memory finds part of it in the last-level cache (a one-build
     A/B showed the second one faster), so a fixed order would favour the later ones.
     """
+    return interleaved_runs(fns, steps, 1)[1]
+
+
+def interleaved_runs(
+    fns: dict[str, Callable[[], object]], rounds: int, run: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms per step of each function in runs of ``run`` calls, the functions taking
+    turns run by run (the order reversed every other round, as in ``interleaved_medians``):
+    the steps of each run after its first (empty for runs of one), and the first ones."""
     for fn in fns.values():
         fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    later: dict[str, list[float]] = {name: [] for name in fns}
+    first: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
-    for step in range(steps):
-        for name in names if step % 2 == 0 else reversed(names):
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
             fn = fns[name]
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in samples.items()}
+            for i in range(run):
+                start = time.perf_counter()
+                fn()
+                (later if i else first)[name].append(time.perf_counter() - start)
+    median = statistics.median
+    return (
+        {name: median(t) * 1e3 for name, t in later.items() if t},
+        {name: median(t) * 1e3 for name, t in first.items()},
+    )
 
 
 def _prompts(batch: int, length: int) -> torch.Tensor:
@@ -352,31 +367,6 @@ def invariant_main(args) -> None:
 
 # Decode steps a round of ``--weight-dtypes`` runs back to back per model.
 RUN = 8
-
-
-def interleaved_runs(
-    fns: dict[str, Callable[[], object]], rounds: int, run: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median ms per step of each function in runs of ``run`` calls, the functions taking
-    turns run by run (the order reversed every other round, as in ``interleaved_medians``):
-    the steps of each run after its first, and the first ones."""
-    for fn in fns.values():
-        fn()
-    later: dict[str, list[float]] = {name: [] for name in fns}
-    first: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for round_ in range(rounds):
-        for name in names if round_ % 2 == 0 else reversed(names):
-            fn = fns[name]
-            for i in range(run):
-                start = time.perf_counter()
-                fn()
-                (later if i else first)[name].append(time.perf_counter() - start)
-    median = statistics.median
-    return (
-        {name: median(t) * 1e3 for name, t in later.items()},
-        {name: median(t) * 1e3 for name, t in first.items()},
-    )
 
 
 def weight_dtypes_main(args) -> None:

@@ -4,9 +4,8 @@
  * a query row's 16 scores are D broadcast multiply-adds with no horizontal sums (up
  * to four rows of a head share each key load); an online softmax in exp2; then
  * acc = acc * alpha + p . V in D / 16 independent chains, V read in place for fp32 and
- * widened once per tile otherwise. The portable twin of this
- * file is attention_portable.c; the item walk that calls `tile_head` is
- * attention_walk.h. */
+ * widened once per tile otherwise. The portable twin of this file is
+ * attention_portable.c; the item walk that calls `tile_head` is attention_walk.h. */
 
 #include "attention_walk.h"
 

@@ -223,9 +223,8 @@ static inline __attribute__((always_inline)) void item_offsets_ahead(const Args 
 /* The next step's K and V cache lines of key t's row that start at element c, if one
  * starts there (rows start on 64-byte lines). The widening loops call it beside each
  * load of this step's rows, so the prefetches come spread between the loads: issued
- * as one burst per block, a block's 384 lines ahead of a step, they changed nothing on
- * the Zen 4 (the same step time with or without them), spread they took fp32 decode to
- * 0.61-0.77x (docs/benchmarks.md, "Prefetches spread through the loads"). */
+ * as one burst per block, a block's lines ahead of a step, they made no measurable
+ * difference on the Zen 4 (docs/benchmarks.md, "Prefetches spread through the loads"). */
 static inline __attribute__((always_inline)) void prefetch_ahead(const Args *a,
                                                                  const int64_t *ahead, int t,
                                                                  int c) {
