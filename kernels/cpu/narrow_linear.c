@@ -61,6 +61,36 @@ static inline __attribute__((always_inline)) void widen(const int format, const 
     }
 }
 
+/* One finished sum of one row's 16 columns [col0, col0 + 16) (columns 0-7 in v0, 8-15
+ * in v1): + bias, + residual, store; the last, partial block column by column. */
+static inline __attribute__((always_inline)) void finish(
+    __m256 v0, __m256 v1, int64_t col0, int64_t n, const float *bias, const float *residual,
+    float *out) {
+    const int64_t live = n - col0 < COLS ? n - col0 : COLS;
+    if (live == COLS) {
+        if (bias) {
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(bias + col0));
+            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(bias + col0 + 8));
+        }
+        if (residual) {
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(residual + col0));
+            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(residual + col0 + 8));
+        }
+        _mm256_storeu_ps(out + col0, v0);
+        _mm256_storeu_ps(out + col0 + 8, v1);
+        return;
+    }
+    float sums[2 * 8] __attribute__((aligned(32)));
+    _mm256_store_ps(sums, v0);
+    _mm256_store_ps(sums + 8, v1);
+    for (int64_t c = 0; c < live; c++) {
+        float v = sums[c];
+        if (bias) v += bias[col0 + c];
+        if (residual) v += residual[col0 + c];
+        out[col0 + c] = v;
+    }
+}
+
 /* Rows [0, rows) of x (rows <= ROWS) against one column block: out's columns
  * [col0, col0 + 16).
  * `rows` and `format` are constants in each caller, so the loops over rows unroll and
@@ -87,34 +117,77 @@ static inline __attribute__((always_inline)) void row_tile(
 #undef FMA
     const __m256 acc[ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21},
                                  {a30, a31}, {a40, a41}, {a50, a51}};
-    const int64_t live = n - col0 < COLS ? n - col0 : COLS;
-    if (live == COLS) {
-        __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-        if (bias) b0 = _mm256_loadu_ps(bias + col0), b1 = _mm256_loadu_ps(bias + col0 + 8);
-        for (int r = 0; r < rows; r++) {
-            __m256 v0 = acc[r][0], v1 = acc[r][1];
-            if (bias) v0 = _mm256_add_ps(v0, b0), v1 = _mm256_add_ps(v1, b1);
-            if (residual) {
-                const float *res = residual + r * residual_stride + col0;
-                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(res));
-                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(res + 8));
-            }
-            _mm256_storeu_ps(out + r * out_stride + col0, v0);
-            _mm256_storeu_ps(out + r * out_stride + col0 + 8, v1);
+    for (int r = 0; r < rows; r++)
+        finish(acc[r][0], acc[r][1], col0, n, bias,
+               residual ? residual + r * residual_stride : 0, out + r * out_stride);
+}
+
+/* One row of x against blocks nb0 .. nb0 + blocks - 1 (blocks <= ONE_ROW_BLOCKS). With
+ * one row, row_tile's work per k is one block's two FMAs, each waiting on the one
+ * before: their latency, not the memory, set a decode step's pace. Four blocks side by
+ * side give eight independent chains. They are four streams, so the tile prefetches
+ * the next tile's weights into L2 in address order, as many lines per step as it
+ * consumes (as narrow_linear_avx512.c's tiles). Each output's sum is row_tile's. */
+enum { ONE_ROW_BLOCKS = 4 };
+
+static inline __attribute__((always_inline)) void one_row_tile(
+    const int blocks, const int format, const Problem *p, int64_t nb0, int64_t next_blocks) {
+    const int64_t k = p->k;
+    const float *x = p->x;
+    const void *b0 = block_at(p, nb0), *b1 = 0, *b2 = 0, *b3 = 0;
+    if (blocks > 1) b1 = block_at(p, nb0 + 1);
+    if (blocks > 2) b2 = block_at(p, nb0 + 2);
+    if (blocks > 3) b3 = block_at(p, nb0 + 3);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+           a30 = a00, a31 = a00;
+    const int64_t width = format_width(format);
+    const int64_t line_steps = 64 / (COLS * width);
+    const char *next = (const char *)block_at(p, nb0 + blocks);
+    const int64_t next_bytes = next_blocks * k * COLS * width;
+    for (int64_t kk = 0; kk < k; kk++) {
+        if (kk % line_steps == 0) {
+            const int64_t at = kk / line_steps * blocks * 64;
+            for (int j = 0; j < blocks; j++)
+                if (at + j * 64 < next_bytes) _mm_prefetch(next + at + j * 64, _MM_HINT_T1);
         }
-        return;
+        const __m256 xb = _mm256_broadcast_ss(x + kk);
+        __m256 lo, hi;
+        widen(format, b0, kk, &lo, &hi);
+        a00 = _mm256_fmadd_ps(xb, lo, a00), a01 = _mm256_fmadd_ps(xb, hi, a01);
+        if (blocks > 1) {
+            widen(format, b1, kk, &lo, &hi);
+            a10 = _mm256_fmadd_ps(xb, lo, a10), a11 = _mm256_fmadd_ps(xb, hi, a11);
+        }
+        if (blocks > 2) {
+            widen(format, b2, kk, &lo, &hi);
+            a20 = _mm256_fmadd_ps(xb, lo, a20), a21 = _mm256_fmadd_ps(xb, hi, a21);
+        }
+        if (blocks > 3) {
+            widen(format, b3, kk, &lo, &hi);
+            a30 = _mm256_fmadd_ps(xb, lo, a30), a31 = _mm256_fmadd_ps(xb, hi, a31);
+        }
     }
-    /* The last, partial block: the same operations, column by column. */
-    float sums[2 * 8] __attribute__((aligned(32)));
-    for (int r = 0; r < rows; r++) {
-        _mm256_store_ps(sums, acc[r][0]);
-        _mm256_store_ps(sums + 8, acc[r][1]);
-        for (int64_t c = 0; c < live; c++) {
-            float v = sums[c];
-            if (bias) v += bias[col0 + c];
-            if (residual) v += residual[r * residual_stride + col0 + c];
-            out[r * out_stride + col0 + c] = v;
+    const __m256 acc[ONE_ROW_BLOCKS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+    for (int b = 0; b < blocks; b++)
+        finish(acc[b][0], acc[b][1], (nb0 + b) * COLS, p->n, p->bias, p->residual, p->out);
+}
+
+/* Blocks [first, last) of one row, ONE_ROW_BLOCKS at a time. */
+static void one_row(const Problem *p, int64_t first, int64_t last) {
+    for (int64_t nb = first; nb < last; nb += ONE_ROW_BLOCKS) {
+        const int blocks = last - nb < ONE_ROW_BLOCKS ? (int)(last - nb) : ONE_ROW_BLOCKS;
+        const int64_t after = last - nb - blocks;
+        const int64_t next = after < ONE_ROW_BLOCKS ? after : ONE_ROW_BLOCKS;
+#define ONE(B)                                                               \
+    if (p->format == FORMAT_BF16) one_row_tile(B, FORMAT_BF16, p, nb, next); \
+    else one_row_tile(B, FORMAT_F32, p, nb, next);
+        switch (blocks) {
+            case 4: ONE(4) break;
+            case 3: ONE(3) break;
+            case 2: ONE(2) break;
+            default: ONE(1) break;
         }
+#undef ONE
     }
 }
 
@@ -147,15 +220,17 @@ static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb) {
  * for the later row tiles (on AVX-512, where `wide`, its own tiles). */
 static void linear_blocks(const Problem *p, int64_t first, int64_t last, int wide) {
 #if defined(__AVX512F__)
-    /* One block's chain of FMAs per k keeps up with memory for bf16 and fp32 weights:
-     * one row stays on the AVX2 tiles (one stream each), whose one-row reads measured
-     * no slower (docs/kernels.md). */
+    /* One row has its own tiles below, as fast as these (docs/kernels.md). */
     if (wide && p->m > 1) {
         narrow_blocks_avx512(p, first, last);
         return;
     }
 #endif
     (void)wide;
+    if (p->m == 1) {
+        one_row(p, first, last);
+        return;
+    }
     const int64_t chunk = chunk_blocks(p, last - first);
     for (int64_t start = first; start < last; start += chunk) {
         const int64_t stop = start + chunk < last ? start + chunk : last;

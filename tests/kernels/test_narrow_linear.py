@@ -207,6 +207,35 @@ def test_the_avx512_tiles_give_the_avx2_tiles_bits(format):
 
 
 @needs_kernel
+@pytest.mark.parametrize("format", ["bf16", "fp32"])
+def test_one_row_sums_as_the_row_tiles_do(format):
+    """One row has tiles of its own (four blocks side by side, the weights' rate at batch
+    1); a row alone must get the bits it gets among others, whichever tiles take those.
+    Partial last blocks, 1-4 blocks left at the ends of the threads' ranges."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for n, k in [(20, 37), (16 * 9 + 5, 70), (1000, 576), (16 * 13, 1), (16 * 7, 9)]:
+                x, w, bias, residual = _inputs(3, n, k, seed=n * k)
+                weight = PACK[format](w)
+                for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+                    for avx2 in (False, True):
+                        rows = narrow_linear(x, weight, b, r, avx2_tiles=avx2)
+                        for i in range(3):
+                            alone = narrow_linear(
+                                x[i : i + 1].contiguous(),
+                                weight,
+                                b,
+                                None if r is None else r[i : i + 1].contiguous(),
+                                avx2_tiles=avx2,
+                            )
+                            assert torch.equal(alone[0], rows[i]), (threads, n, k, i)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 def test_threads_do_not_change_the_sums():
     x, w, _, residual = _inputs(9, 576, 576, seed=6)
     before = torch.get_num_threads()
