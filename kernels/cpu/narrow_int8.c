@@ -142,12 +142,17 @@ enum { SMALL_SCRATCH_BYTES = 16 * 1024 };
 
 /* Rows [row0, row0 + rows) against blocks [nb0, nb0 + blocks) with AVX2's maddubs.
  * `rows` and `blocks` are constants in each caller, so the accumulators (two per row and
- * block: columns 0-7 and 8-15) stay in registers; the fp32 sums live in `acc`. */
+ * block: columns 0-7 and 8-15) stay in registers; the fp32 sums live in `acc`. As
+ * tile_vnni, it prefetches the next tile's bytes (`next_blocks` blocks) into L2 as fast
+ * as it consumes its own: left to the hardware prefetchers, one row's single stream
+ * read at about half the memory's speed (docs/kernels.md). */
 static inline __attribute__((always_inline)) void tile_avx2(
     const int rows, const int blocks, const Problem *p, const Rows *x, int64_t row0,
-    int64_t nb0) {
+    int64_t nb0, int64_t next_blocks) {
     const int64_t kp = x->kp;
     const uint8_t *w0 = int8_block(p, kp, nb0), *w1 = blocks > 1 ? int8_block(p, kp, nb0 + 1) : w0;
+    const char *next = (const char *)int8_block(p, kp, nb0 + blocks);
+    const int64_t next_bytes = next_blocks * kp * COLS;
     float acc[AVX2_ROWS][AVX2_BLOCKS][COLS] __attribute__((aligned(32))) = {{{0}}};
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
 #define ZERO(r, b) __m256i i##r##b##0 = _mm256_setzero_si256(), i##r##b##1 = i##r##b##0;
@@ -170,6 +175,9 @@ static inline __attribute__((always_inline)) void tile_avx2(
     for (int64_t g = 0; g < x->groups; g++) {
         ZERO(0, 0) ZERO(0, 1) ZERO(1, 0) ZERO(1, 1)
         for (int64_t kq = g * (GROUP / 4); kq < (g + 1) * (GROUP / 4); kq++) {
+            const int64_t ahead = kq * blocks * 64;
+            for (int j = 0; j < blocks; j++)
+                if (ahead + j * 64 < next_bytes) _mm_prefetch(next + ahead + j * 64, _MM_HINT_T1);
             const __m256i w00 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w0 + kq * 64)), flip);
             const __m256i w01 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w0 + kq * 64 + 32)), flip);
             __m256i w10 = w00, w11 = w01;
@@ -331,11 +339,11 @@ static void tile_at(const Problem *p, const Rows *x, int wide, int rows, int64_t
         return;
     }
 #endif
-    (void)wide, (void)next_blocks;
+    (void)wide;
     if (rows == 1)
-        blocks == 2 ? tile_avx2(1, 2, p, x, row0, nb0) : tile_avx2(1, 1, p, x, row0, nb0);
+        blocks == 2 ? tile_avx2(1, 2, p, x, row0, nb0, next_blocks) : tile_avx2(1, 1, p, x, row0, nb0, next_blocks);
     else
-        blocks == 2 ? tile_avx2(2, 2, p, x, row0, nb0) : tile_avx2(2, 1, p, x, row0, nb0);
+        blocks == 2 ? tile_avx2(2, 2, p, x, row0, nb0, next_blocks) : tile_avx2(2, 1, p, x, row0, nb0, next_blocks);
 }
 
 /* Column blocks [first, last), all m rows: a chunk of blocks at a time, every row tile
