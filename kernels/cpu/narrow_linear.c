@@ -94,11 +94,14 @@ static inline __attribute__((always_inline)) void finish(
 /* Rows [0, rows) of x (rows <= ROWS) against one column block: out's columns
  * [col0, col0 + 16).
  * `rows` and `format` are constants in each caller, so the loops over rows unroll and
- * the accumulators stay in registers (12 of the 16). */
+ * the accumulators stay in registers (12 of the 16). Where `has_next`, the block after
+ * this one (the next in memory) is prefetched into L2 as fast as this one is read:
+ * without it the tile waited on its loads from memory (docs/kernels.md). */
 static inline __attribute__((always_inline)) void row_tile(
     const int rows, const int format, const float *x, int64_t x_stride, const void *block,
     int64_t k, int64_t col0, int64_t n, const float *bias,
-    const float *residual, int64_t residual_stride, float *out, int64_t out_stride) {
+    const float *residual, int64_t residual_stride, float *out, int64_t out_stride,
+    int has_next) {
     /* Named accumulators, not an array: gcc spills an array to the stack every k. */
 #define ZERO(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
 #define FMA(r)                                                        \
@@ -108,7 +111,11 @@ static inline __attribute__((always_inline)) void row_tile(
         a##r##1 = _mm256_fmadd_ps(xb, hi, a##r##1);                   \
     }
     ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
+    const int64_t width = format_width(format), line_steps = 64 / (COLS * width);
+    const char *next = (const char *)block + k * COLS * width;
     for (int64_t kk = 0; kk < k; kk++) {
+        if (has_next && kk % line_steps == 0)
+            _mm_prefetch(next + kk / line_steps * 64, _MM_HINT_T1);
         __m256 lo, hi;
         widen(format, block, kk, &lo, &hi);
         FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5)
@@ -192,14 +199,14 @@ static void one_row(const Problem *p, int64_t first, int64_t last) {
 }
 
 /* Rows [row0, row0 + rows) against column block nb. */
-static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb) {
+static void rows_at(const Problem *p, int rows, int64_t row0, int64_t nb, int has_next) {
     const void *block = block_at(p, nb);
     const float *x = p->x + row0 * p->x_stride;
     const float *residual = p->residual ? p->residual + row0 * p->residual_stride : 0;
     float *out = p->out + row0 * p->out_stride;
 #define ROW_TILE(R, F)                                                                     \
     row_tile(R, F, x, p->x_stride, block, p->k, nb * COLS, p->n, p->bias, residual, \
-             p->residual_stride, out, p->out_stride)
+             p->residual_stride, out, p->out_stride, has_next)
 #define FORMATS(R)                                       \
     if (p->format == FORMAT_BF16) ROW_TILE(R, FORMAT_BF16); \
     else ROW_TILE(R, FORMAT_F32);
@@ -237,7 +244,7 @@ static void linear_blocks(const Problem *p, int64_t first, int64_t last, int wid
         for (int64_t row0 = 0; row0 < p->m; row0 += ROWS) {
             const int rows = p->m - row0 < ROWS ? (int)(p->m - row0) : ROWS;
             for (int64_t nb = start; nb < stop; nb++)
-                rows_at(p, rows, row0, nb);
+                rows_at(p, rows, row0, nb, nb + 1 < last);
         }
     }
 }
