@@ -144,8 +144,8 @@ enum { SMALL_SCRATCH_BYTES = 16 * 1024 };
  * `rows` and `blocks` are constants in each caller, so the accumulators (two per row and
  * block: columns 0-7 and 8-15) stay in registers; the fp32 sums live in `acc`. As
  * tile_vnni, it prefetches the next tile's bytes (`next_blocks` blocks) into L2 as fast
- * as it consumes its own: left to the hardware prefetchers, one row's single stream
- * read at about half the memory's speed (docs/kernels.md). */
+ * as it consumes its own: left to the hardware prefetchers, even one row's single
+ * stream waited on memory (docs/kernels.md). */
 static inline __attribute__((always_inline)) void tile_avx2(
     const int rows, const int blocks, const Problem *p, const Rows *x, int64_t row0,
     int64_t nb0, int64_t next_blocks) {
@@ -340,10 +340,12 @@ static void tile_at(const Problem *p, const Rows *x, int wide, int rows, int64_t
     }
 #endif
     (void)wide;
+#define T(R, B) tile_avx2(R, B, p, x, row0, nb0, next_blocks)
     if (rows == 1)
-        blocks == 2 ? tile_avx2(1, 2, p, x, row0, nb0, next_blocks) : tile_avx2(1, 1, p, x, row0, nb0, next_blocks);
+        blocks == 2 ? T(1, 2) : T(1, 1);
     else
-        blocks == 2 ? tile_avx2(2, 2, p, x, row0, nb0, next_blocks) : tile_avx2(2, 1, p, x, row0, nb0, next_blocks);
+        blocks == 2 ? T(2, 2) : T(2, 1);
+#undef T
 }
 
 /* Column blocks [first, last), all m rows: a chunk of blocks at a time, every row tile
