@@ -175,9 +175,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
     for (int64_t g = 0; g < x->groups; g++) {
         ZERO(0, 0) ZERO(0, 1) ZERO(1, 0) ZERO(1, 1)
         for (int64_t kq = g * (GROUP / 4); kq < (g + 1) * (GROUP / 4); kq++) {
-            const int64_t ahead = kq * blocks * 64;
-            for (int j = 0; j < blocks; j++)
-                if (ahead + j * 64 < next_bytes) _mm_prefetch(next + ahead + j * 64, _MM_HINT_T1);
+            prefetch_next_tile(next, next_bytes, kq, blocks);
             const __m256i w00 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w0 + kq * 64)), flip);
             const __m256i w01 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w0 + kq * 64 + 32)), flip);
             __m256i w10 = w00, w11 = w01;
@@ -265,9 +263,7 @@ static inline __attribute__((always_inline)) void tile_vnni(
     for (int64_t g = 0; g < x->groups; g++) {
         ZERO(0) ZERO(1) ZERO(2) ZERO(3)
         for (int64_t kq = g * (GROUP / 4); kq < (g + 1) * (GROUP / 4); kq++) {
-            const int64_t ahead = kq * blocks * 64;
-            for (int j = 0; j < blocks; j++)
-                if (ahead + j * 64 < next_bytes) _mm_prefetch(next + ahead + j * 64, _MM_HINT_T1);
+            prefetch_next_tile(next, next_bytes, kq, blocks);
             const __m512i v0 = _mm512_loadu_si512(w0 + kq * 64);
             __m512i v1 = v0, v2 = v0, v3 = v0;
             if (blocks > 1) v1 = _mm512_loadu_si512(w1 + kq * 64);

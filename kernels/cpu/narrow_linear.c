@@ -113,9 +113,9 @@ static inline __attribute__((always_inline)) void row_tile(
     ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
     const int64_t width = format_width(format), line_steps = 64 / (COLS * width);
     const char *next = (const char *)block + k * COLS * width;
+    const int64_t next_bytes = has_next ? k * COLS * width : 0;
     for (int64_t kk = 0; kk < k; kk++) {
-        if (has_next && kk % line_steps == 0)
-            _mm_prefetch(next + kk / line_steps * 64, _MM_HINT_T1);
+        if (kk % line_steps == 0) prefetch_next_tile(next, next_bytes, kk / line_steps, 1);
         __m256 lo, hi;
         widen(format, block, kk, &lo, &hi);
         FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5)
@@ -152,11 +152,7 @@ static inline __attribute__((always_inline)) void one_row_tile(
     const char *next = (const char *)block_at(p, nb0 + blocks);
     const int64_t next_bytes = next_blocks * k * COLS * width;
     for (int64_t kk = 0; kk < k; kk++) {
-        if (kk % line_steps == 0) {
-            const int64_t at = kk / line_steps * blocks * 64;
-            for (int j = 0; j < blocks; j++)
-                if (at + j * 64 < next_bytes) _mm_prefetch(next + at + j * 64, _MM_HINT_T1);
-        }
+        if (kk % line_steps == 0) prefetch_next_tile(next, next_bytes, kk / line_steps, blocks);
         const __m256 xb = _mm256_broadcast_ss(x + kk);
         __m256 lo, hi;
         widen(format, b0, kk, &lo, &hi);

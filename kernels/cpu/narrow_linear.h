@@ -67,6 +67,18 @@ static inline int64_t chunk_blocks(const Problem *p, int64_t blocks) {
     return chunk < 1 ? 1 : chunk;
 }
 
+/* Lines [line * lines, (line + 1) * lines) of the next tile's `bytes` bytes at `next`
+ * into L2 (none past `bytes`). A tile of `lines` blocks calls it once per cache line it
+ * consumes of each block, so the next tile's weights arrive in address order while this
+ * one runs: the interleaved streams of a tile's blocks, or even one block's stream, are
+ * served worse by the hardware prefetchers alone (docs/kernels.md). */
+static inline void prefetch_next_tile(const char *next, int64_t bytes, int64_t line, int lines) {
+    for (int j = 0; j < lines; j++) {
+        const int64_t at = (line * lines + j) * 64;
+        if (at < bytes) __builtin_prefetch(next + at, 0, 2); /* prefetcht1: into L2 */
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* out for an int8 problem: its own layout and sums (narrow_int8.c). `wide` as in
  * chatsvc_narrow_linear. 0, or -1 where scratch memory ran out (nothing written). */

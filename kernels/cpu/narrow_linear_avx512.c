@@ -75,11 +75,7 @@ static inline __attribute__((always_inline)) void tile(
     const char *next = (const char *)block_at(p, nb0 + blocks);
     const int64_t next_bytes = next_blocks * k * COLS * width;
     for (int64_t kk = 0; kk < k; kk++) {
-        if (kk % line_steps == 0) { /* the next tile's next lines, `blocks` of them */
-            const int64_t at = kk / line_steps * blocks * 64;
-            for (int j = 0; j < blocks; j++)
-                if (at + j * 64 < next_bytes) _mm_prefetch(next + at + j * 64, _MM_HINT_T1);
-        }
+        if (kk % line_steps == 0) prefetch_next_tile(next, next_bytes, kk / line_steps, blocks);
         const __m512 w0 = widen16(format, b0, kk);
         __m512 w1 = w0, w2 = w0, w3 = w0;
         if (blocks > 1) w1 = widen16(format, b1, kk);
