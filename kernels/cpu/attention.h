@@ -340,6 +340,11 @@ CHATSVC_INTERNAL void attend_widening(const Args *a, const Item *it, float *scra
 CHATSVC_INTERNAL void attend_dot_pairs(const Args *a, const Item *it, float *scratch,
                                        float *partials, int head_dim);
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/* bf16 queries over int8 caches. */
+CHATSVC_INTERNAL void attend_byte_dots(const Args *a, const Item *it, float *scratch,
+                                       float *partials, int head_dim);
+#endif
 #if defined(CHATSVC_AMX)
 /* `amx`: the thread's tile scratch (`amx_scratch_floats`), its tiles configured. */
 CHATSVC_INTERNAL void attend_tiles(const Args *a, const Item *it, float *scratch,

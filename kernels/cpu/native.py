@@ -83,6 +83,8 @@ BASE_FLAGS = [
     "-fopenmp",
     "-fno-math-errno",
     "-fno-trapping-math",
+    # A call without a prototype builds with a guessed signature (older gcc only warn).
+    "-Werror=implicit-function-declaration",
     "-fPIC",
     "-shared",
 ]
