@@ -19,6 +19,7 @@ not). The environment variable ``CHATSVC_KERNEL_BACKEND`` replaces the default o
     tile_linears_available(device, dtype)         -> bf16 linears on the tile unit
     pair_linears_available(device, dtype)         -> bf16 linears on AVX512-BF16 dot pairs
     narrow_linears_available(device, dtype)       -> fp32 linears, bf16/int8 weights (AVX2)
+    arithmetic_identity(device)                   -> names the code that computes the sums
 
 ``"native"`` runs the C kernels (``kernels/cpu/*.c``) where they take the tensors
 (attention: fp32 or bf16, a head size that is a multiple of 16 up to 256) and the
@@ -182,3 +183,30 @@ def narrow_linears_available(
     (``kernels.cpu.narrow_linear``): the native backend, fp32, a library built with AVX2 + FMA."""
     device = torch.device(device)
     return resolve_backend(backend, device) == "native" and narrow_linear_available(device, dtype)
+
+
+def arithmetic_identity(device: torch.device | str, backend: str | None = None) -> str:
+    """What, beyond the model, its dtypes and its layouts, fixes the bits a step computes
+    on ``device``: the backend, the build of its code and torch's (whose kernels run the
+    rest of a step, each dispatched by the CPU's vector width or the GPU's kind).
+
+    On the native backend that is the loaded library's sha256: the build is deterministic
+    (the same sources, flags and compiler for the same CPU give the same bytes), and
+    another build (an edit of the kernels, ``-march=native`` on a CPU of other vector
+    units, another compiler's instruction choice such as FMA contraction) may order or
+    round a sum otherwise. The disk tier names this in its fingerprint: KV written by
+    other code is other bits for the same tokens, and a hit must answer as a miss would."""
+    device = torch.device(device)
+    chosen = resolve_backend(backend, device)
+    parts = [chosen, f"torch {torch.__version__}"]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(device))
+    else:
+        parts.append(f"cpu {torch.backends.cpu.get_cpu_capability()}")
+    if chosen == "native":
+        parts.append(f"library {native.library_sha256()}")
+    elif chosen == "triton":
+        import triton  # only here: TRITON_INTERPRET is read at its first import
+
+        parts.append(f"triton {triton.__version__}")
+    return "; ".join(parts)

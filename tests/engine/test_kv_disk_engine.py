@@ -180,6 +180,15 @@ def test_a_different_model_dtype_or_block_size_never_loads_foreign_kv(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("chatsvc.engine.kv_disk.fingerprint.ACTIVATION_GROUP", 64)
         assert model_fingerprint(int8, torch.float32, shape, 0, None) != int8_fingerprint
+    # Other code computing the same sums (the torch kernels, another build of the C
+    # kernels: another CPU's, another revision's) writes other bits: another fingerprint.
+    assert model_fingerprint(smollm2_fp32, torch.float32, shape, 0, None) == fingerprint
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CHATSVC_KERNEL_BACKEND", "torch")
+        assert model_fingerprint(smollm2_fp32, torch.float32, shape, 0, None) != fingerprint
+        patch.delenv("CHATSVC_KERNEL_BACKEND")
+        patch.setattr("kernels.cpu.native._loaded_sha256", "0" * 64)
+        assert model_fingerprint(smollm2_fp32, torch.float32, shape, 0, None) != fingerprint
     with engine_on(smollm2_fp32, config(tmp_path, block_size=32)) as other:
         assert other.disk_tier.num_found == 0 and other.disk_tier.directory.path != own_dir
 

@@ -174,6 +174,22 @@ def test_the_backend_is_decided_in_kernels_backend(monkeypatch):
     )
 
 
+def test_the_arithmetic_identity_names_the_backend_its_build_and_torchs(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    on_native = backends.arithmetic_identity("cpu")
+    assert native.library_sha256() in on_native and torch.__version__ in on_native
+    on_torch = backends.arithmetic_identity("cpu", "torch")
+    assert on_torch != on_native and native.library_sha256() not in on_torch
+    # torch's CPU kernels are dispatched by the machine's vector width: part of the name.
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert capability in on_torch
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-elsewhere")
+    assert backends.arithmetic_identity("cpu", "torch") != on_torch
+    # Another build of the C kernels (another edit, CPU or compiler): another identity.
+    monkeypatch.setattr(native, "_loaded_sha256", "0" * 64)
+    assert backends.arithmetic_identity("cpu") not in (on_native, on_torch)
+
+
 def test_without_the_native_library_auto_binds_the_torch_step(monkeypatch):
     case, batch = _step(torch.float32, *STEPS["mixed"])
     monkeypatch.delenv(backends.ENV_VAR, raising=False)

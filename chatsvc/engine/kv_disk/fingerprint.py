@@ -4,15 +4,19 @@ KV is only reusable by the exact computation that produced it, so the
 fingerprint covers everything that changes a block's bytes or their meaning:
 
     format version | model identity (name and shape) | weights digest
-    | dtype | weight layout (int8: and its activations' group) | kernel mode | block size
-    | KV layout (kv_layout's dims and their order) | KV dtype and, for int8, its scale
-    layout
+    | dtype | weight layout (int8: and its activations' group) | kernel mode | kernels' code
+    | block size | KV layout (kv_layout's dims and their order) | KV dtype and, for int8, its
+    scale layout
 
 The weight layout (``kernels.linear``) names how the matrices are stored and summed:
 an fp32 model reading bf16-stored weights, or another order of the same sums, writes
 other KV bits, and a hit must answer as a miss would; int8 weights multiply x quantized
 per group, so the group is part of them. The kernel mode (invariant or
-not, ``kernels.invariance``) orders the attention's sums, so it does too. The KV dtype
+not, ``kernels.invariance``) orders the attention's sums, so it does too, and so does
+the code itself (``kernels.backend.arithmetic_identity``: the backend, the native
+library's build, torch's version and the ISA its kernels dispatch to): the same step
+built for AVX2 or AVX-512, or by another revision of the kernels, writes other bits, so a
+tier moved to another CPU or kept across an upgrade starts cold. The KV dtype
 (the model's, or int8 rows with their scales: ``kernels.kv_layout``) changes what a
 block's bytes mean, and an int8 block's scale layout where they lie: a bf16 engine must
 never read an int8 block as values, nor the reverse.
@@ -41,6 +45,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kernels.backend import arithmetic_identity
 from kernels.cpu.narrow_linear import ACTIVATION_GROUP
 from kernels.kv_layout import SCALE_LAYOUT, KVShape, is_quantized
 
@@ -59,8 +64,8 @@ def model_fingerprint(
     memo_path: Path | None,
     kv_dtype: torch.dtype | None = None,
 ) -> bytes:
-    """16 bytes naming the model, weights, dtype, weight layout, kernel mode, block size,
-    KV layout and KV dtype (``kv_dtype`` None: ``dtype``)."""
+    """16 bytes naming the model, weights, dtype, weight layout, kernel mode, the kernels'
+    code, block size, KV layout and KV dtype (``kv_dtype`` None: ``dtype``)."""
     kv_dtype = kv_dtype or dtype
     identity = {
         "format": FORMAT_VERSION,
@@ -71,6 +76,7 @@ def model_fingerprint(
         "weight_layout": loaded.model.weight_layout,
         # Invariant kernels order their sums otherwise: other KV bits for the same tokens.
         "invariant": loaded.model.invariant,
+        "kernels": arithmetic_identity(loaded.model.device),
         "kv_shape": dataclasses.asdict(kv_shape),
         "kv_layout": KV_LAYOUT,
     }
