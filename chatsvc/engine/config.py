@@ -124,6 +124,9 @@ class EngineConfig:
     # After a restart, at most this many bytes of the most recently used sessions' block
     # files are read into memory while the engine is idle (kv_disk/preload.py); 0: none.
     kv_disk_preload_bytes: int = DEFAULT_KV_DISK_PRELOAD_BYTES
+    # Other fingerprints' directories under kv_disk_dir (another model, dtype, layout or
+    # build of the kernels) unused this long are removed at start (kv_disk/directory.py).
+    kv_disk_keep_other_days: float = 7.0
     # Speculative decoding without a draft model (speculation.py): "ngram" proposes from
     # the request's own tokens, "suffix" also from its tenant's earlier outputs, "off".
     speculative: str = "off"
@@ -172,6 +175,10 @@ class EngineConfig:
         if self.kv_disk_preload_bytes < 0:
             raise ValueError(
                 f"kv_disk_preload_bytes must be >= 0 (0 = none), got {self.kv_disk_preload_bytes}"
+            )
+        if not self.kv_disk_keep_other_days >= 0:
+            raise ValueError(
+                f"kv_disk_keep_other_days must be >= 0, got {self.kv_disk_keep_other_days}"
             )
         if self.kv_disk_load_threads < 1:
             raise ValueError(f"kv_disk_load_threads must be >= 1, got {self.kv_disk_load_threads}")

@@ -223,6 +223,13 @@ def test_a_different_model_dtype_or_block_size_never_loads_foreign_kv(
     # The foreign files are gone; what is there now the other model wrote itself.
     for path in foreign_dir.rglob("*.kv"):
         assert path.read_bytes()[24:40] == foreign_fingerprint != fingerprint
+    # An engine that keeps other fingerprints' directories 0 days removes the idle ones
+    # at start (the first model's, the block size 32 one's), never its own.
+    with engine_on(other_model, config(tmp_path, kv_disk_keep_other_days=0)) as engine:
+        assert engine.disk_tier.num_found > 0
+    kept = {path.name for path in (tmp_path / "kv").iterdir() if path.is_dir()}
+    assert kept <= {foreign_dir.name} | {p.name for p in (tmp_path / "kv").glob(".removing-*")}
+    assert foreign_dir.exists() and not own_dir.exists()
 
 
 def test_flipped_and_truncated_files_are_misses_deleted_and_counted(

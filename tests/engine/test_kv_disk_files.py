@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -179,6 +181,55 @@ def test_a_deleted_block_whose_unlink_failed_is_not_found_at_the_next_start(dire
 def test_a_second_process_on_the_directory_is_refused(directory):
     with pytest.raises(TierUnavailable, match="in use by another process"):
         TierDirectory(directory.root, FP).open()
+
+
+def _other_tier(root: Path, fingerprint: bytes, idle_days: float) -> TierDirectory:
+    """A directory of another fingerprint holding a block, last used ``idle_days`` ago."""
+    other = TierDirectory(root, fingerprint).open()
+    _write(other, _pool())
+    other.close()
+    then = time.time() - idle_days * 86400
+    os.utime(other.path / "lock", (then, then))
+    return other
+
+
+def test_other_fingerprints_unused_for_the_kept_days_are_removed_at_start(directory):
+    root = directory.root
+    stale = _other_tier(root, b"S" * 16, idle_days=8)
+    recent = _other_tier(root, b"R" * 16, idle_days=2)
+    held = _other_tier(root, b"H" * 16, idle_days=30)
+    in_use = TierDirectory(root, b"H" * 16).open()  # another process serves from it
+    month_ago = time.time() - 30 * 86400
+    os.utime(held.path / "lock", (month_ago, month_ago))  # ... since it started a month ago
+    interrupted = root / f".removing-{'ab' * 16}"
+    (interrupted / "00").mkdir(parents=True)
+    (interrupted / "00" / "half-deleted.kv").write_bytes(b"x")
+    not_ours = [root / "weight-digests.json", root / "notes", root / ("c" * 31)]
+    not_ours[0].write_text("{}")
+    not_ours[1].mkdir()
+    not_ours[2].mkdir()
+    own_blocks = _write(directory, _pool())
+    os.utime(directory.path / "lock", (1, 1))  # this process's own: never removed
+
+    assert directory.prune_others(7 * 86400) == [stale.path.name]
+    _join_prunes()
+    assert not stale.path.exists() and not (root / f".removing-{stale.path.name}").exists()
+    assert not interrupted.exists()
+    assert recent.path.exists() and held.path.exists() and own_blocks.exists()
+    assert all(path.exists() for path in not_ours)
+    assert len(recent.scan()) == 1
+    # Once the holder lets go it is idle like any other (its close marks it used now).
+    in_use.close()
+    assert directory.prune_others(7 * 86400) == []
+    assert sorted(directory.prune_others(0)) == sorted([recent.path.name, held.path.name])
+    _join_prunes()
+    assert not recent.path.exists() and not held.path.exists() and own_blocks.exists()
+
+
+def _join_prunes() -> None:
+    for thread in threading.enumerate():
+        if thread.name == "kv-disk-prune":
+            thread.join(10)
 
 
 def test_an_unwritable_directory_is_unavailable(tmp_path):

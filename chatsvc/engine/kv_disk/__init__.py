@@ -56,6 +56,7 @@ def open_disk_tier(config, loaded, cache, kv_pool, host_pool, clock=None) -> Dis
     except TierUnavailable as exc:
         log.warning("KV disk tier off: %s; serving without it", exc)
         return None
+    directory.prune_others(config.kv_disk_keep_other_days * 86400)
     settings = DiskSettings(
         budget_bytes=config.kv_disk_bytes,
         write_through=config.kv_disk_write == "through",

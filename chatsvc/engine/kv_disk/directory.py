@@ -15,14 +15,23 @@ user can read a block: KV can be inverted to text.
 Opening fails (``TierUnavailable``) when the directory cannot be created or
 written (a read-only filesystem, no permission) or another process holds the
 lock; the engine then serves without the tier.
+
+Directories of other fingerprints stay (switching back is warm) until they have been
+unused for the time ``prune_others`` is given: every upgrade of the kernels, of the
+model or of a dtype leaves one, each up to its own budget, so without an end they
+would fill the disk one upgrade at a time. Unused means no process holds its lock,
+and its ``lock`` file's mtime (set on open and on close) is that old.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,6 +42,11 @@ FILE_MODE = 0o600
 # The default budget: the smaller of these, re-checked while the service runs.
 AUTO_MAX_BYTES = 8 << 30
 AUTO_FREE_FRACTION = 0.10
+# A fingerprint's directory name: 16 bytes in hex.
+FINGERPRINT_HEX = 32
+# What a directory being removed is renamed to first, so no process opens it half gone.
+REMOVING = ".removing-"
+log = logging.getLogger(__name__)
 
 
 class TierUnavailable(Exception):
@@ -76,6 +90,7 @@ class TierDirectory:
             raise TierUnavailable(f"{self.path} cannot be locked ({_reason(exc)})") from None
         self._lock_fd = fd
         try:
+            os.utime(fd)  # in use now: not idle for prune_others
             self._probe()
         except OSError as exc:
             self.close()
@@ -95,6 +110,10 @@ class TierDirectory:
 
     def close(self) -> None:
         if self._lock_fd is not None:
+            try:
+                os.utime(self._lock_fd)  # last used now, whenever it was opened
+            except OSError:
+                pass
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
@@ -175,12 +194,78 @@ class TierDirectory:
             os.close(fd)
         os.replace(tmp, self.forgotten)
 
+    # -- other fingerprints -------------------------------------------------------
+
+    def prune_others(self, max_idle_s: float, now: float | None = None) -> list[str]:
+        """Remove the directories of other fingerprints under the root that no process
+        holds and whose lock file is ``max_idle_s`` old or older (and what an interrupted
+        removal left); the names removed. Each is locked, renamed aside and unlocked
+        here, then deleted on a background thread: a large tier takes seconds to unlink,
+        and a start should not wait for it."""
+        now = time.time() if now is None else now
+        removed, doomed = [], []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError as exc:
+            log.warning("KV disk tier: cannot list %s (%s)", self.root, _reason(exc))
+            return []
+        for entry in entries:
+            name = entry.name
+            if name.startswith(REMOVING) and entry.is_dir(follow_symlinks=False):
+                doomed.append(entry.path)  # a removal a stop interrupted
+            elif _is_fingerprint(name) and name != self.path.name:
+                if entry.is_dir(follow_symlinks=False) and self._set_aside(entry, now, max_idle_s):
+                    removed.append(name)
+                    doomed.append(os.path.join(self.root, f"{REMOVING}{name}"))
+        if doomed:
+            threading.Thread(
+                target=_remove_all, args=(doomed,), name="kv-disk-prune", daemon=True
+            ).start()
+        return removed
+
+    def _set_aside(self, entry: os.DirEntry, now: float, max_idle_s: float) -> bool:
+        """Rename an idle directory of another fingerprint to REMOVING + its name."""
+        try:
+            fd = os.open(os.path.join(entry.path, "lock"), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False  # not one of ours, or being created: leave it
+        except OSError as exc:
+            log.warning("KV disk tier: cannot check %s (%s)", entry.path, _reason(exc))
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            idle = now - os.fstat(fd).st_mtime
+            if idle < max_idle_s:
+                return False
+            os.rename(entry.path, os.path.join(self.root, f"{REMOVING}{entry.name}"))
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # else in use
+                log.warning("KV disk tier: cannot remove %s (%s)", entry.path, _reason(exc))
+            return False
+        finally:
+            os.close(fd)
+        log.info(
+            "KV disk tier: removing %s, another fingerprint's blocks unused for %.1f days",
+            entry.path,
+            idle / 86400,
+        )
+        return True
+
     # -- space --------------------------------------------------------------------
 
     def auto_budget(self, used_bytes: int) -> int:
         """The default budget: min(AUTO_MAX_BYTES, a fraction of free space + what we use)."""
         free = shutil.disk_usage(self.path).free
         return int(min(AUTO_MAX_BYTES, AUTO_FREE_FRACTION * (free + used_bytes)))
+
+
+def _is_fingerprint(name: str) -> bool:
+    return len(name) == FINGERPRINT_HEX and all(c in "0123456789abcdef" for c in name)
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _unlink(path: str) -> None:
