@@ -104,22 +104,36 @@ static inline __attribute__((always_inline)) void row_tile(
     int has_next) {
     /* Named accumulators, not an array: gcc spills an array to the stack every k. */
 #define ZERO(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
-#define FMA(r)                                                        \
+#define FMA(r, at)                                                    \
     if (rows > r) {                                                   \
-        const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + kk); \
+        const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + at); \
         a##r##0 = _mm256_fmadd_ps(xb, lo, a##r##0);                   \
         a##r##1 = _mm256_fmadd_ps(xb, hi, a##r##1);                   \
+    }
+#define STEP(at)                                                    \
+    {                                                               \
+        __m256 lo, hi;                                              \
+        widen(format, block, at, &lo, &hi);                         \
+        FMA(0, at) FMA(1, at) FMA(2, at) FMA(3, at) FMA(4, at) FMA(5, at) \
     }
     ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
     const int64_t width = format_width(format), line_steps = 64 / (COLS * width);
     const char *next = (const char *)block + k * COLS * width;
     const int64_t next_bytes = has_next ? k * COLS * width : 0;
-    for (int64_t kk = 0; kk < k; kk++) {
+    int64_t kk = 0;
+    /* Below ROWS rows a turn of the loop takes a cache line of each block (line_steps
+     * k), with one prefetch and no test per k; the full tile's twelve accumulators leave
+     * no registers for that (it ran slower: docs/kernels.md). */
+    if (rows < ROWS)
+        for (; kk + line_steps <= k; kk += line_steps) {
+            prefetch_next_tile(next, next_bytes, kk / line_steps, 1);
+            for (int64_t u = 0; u < line_steps; u++) STEP(kk + u)
+        }
+    for (; kk < k; kk++) {
         if (kk % line_steps == 0) prefetch_next_tile(next, next_bytes, kk / line_steps, 1);
-        __m256 lo, hi;
-        widen(format, block, kk, &lo, &hi);
-        FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5)
+        STEP(kk)
     }
+#undef STEP
 #undef ZERO
 #undef FMA
     const __m256 acc[ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21},

@@ -130,7 +130,9 @@ def test_rows_are_quantized_per_group_and_keep_each_groups_peak():
 @needs_kernel
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp32"])
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 13, 24, 25, 40])
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (20, 70), (16 * 9, 1), (40, 130)])
+@pytest.mark.parametrize(
+    "n, k", [(960, 576), (576, 1536), (20, 70), (16 * 9, 1), (40, 130), (24, 67)]
+)
 def test_narrow_linear_matches_the_oracle_and_its_twin(format, m, n, k):
     x, w, bias, residual = _inputs(m, n, k)
     weight = PACK[format](w)
