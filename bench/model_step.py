@@ -1,7 +1,7 @@
 """Decode-step and prefill time of our forward pass vs transformers' own, same model and input.
 
     .venv/bin/python -m bench.model_step [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
-        [--compare-backends] [--weight-dtypes fp32,bf16,int8] [--compare-invariant]
+        [--compare-backends] [--weight-dtypes onednn,fp32,bf16,int8] [--compare-invariant]
 
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
@@ -13,14 +13,15 @@ sample, so a shared machine's changing load hits them alike; medians are printed
 Figures, not assertions.
 
 ``--weight-dtypes`` (an fp32 model) times one model per weight dtype instead, each in
-the layout ``CHATSVC_WEIGHT_DTYPE`` would give it (fp32: oneDNN, bf16 and int8: the
-narrow blocks), and prints what a decode step reads (the matrices in their layout and
+the layout ``CHATSVC_WEIGHT_DTYPE`` would give it (fp32, bf16 and int8: the narrow
+blocks; ``onednn``: fp32 weights in oneDNN's layout, the fp32 path before the narrow
+blocks, issue 27's baseline), and prints what a decode step reads (the matrices in their layout and
 the context's KV) against the machine's read bandwidth, measured in the same rounds
 (a sum over 512 MiB, interleaved with the steps): that time is the step's floor. Each
 round runs a model's steps back to back, as a decode loop does (``RUN`` of them), and
 prints two times: the steps of the run after its first, and the first step of each run,
 which follows the 512 MiB sum or another model's steps with nothing of its own left in
-the caches.
+the caches. Then each model's speed against the first one listed, from the same rounds.
 
 ``--compare-invariant`` times the default model twice, with invariant kernels (the
 default, ``kernels.invariance``) and with the fastest kernels per step shape
@@ -265,7 +266,8 @@ def main() -> None:
     parser.add_argument(
         "--weight-dtypes",
         default="",
-        help="comma-separated weight dtypes of an fp32 model (fp32,bf16,int8): one model "
+        help="comma-separated weight dtypes of an fp32 model (fp32,bf16,int8; onednn: fp32 "
+        "in oneDNN's layout): one model "
         "each, with the bytes a decode step reads and the bandwidth floor",
     )
     args = parser.parse_args()
@@ -373,7 +375,10 @@ def weight_dtypes_main(args) -> None:
     """One model per weight dtype, decode steps beside the memory read that bounds them."""
     models = {}
     for weight_dtype in args.weight_dtypes.split(","):
-        loaded = load_model("smollm2", dtype=args.dtype, weight_dtype=weight_dtype)
+        if weight_dtype == "onednn":
+            loaded = load_model("smollm2", dtype=args.dtype, prepack_weights="onednn")
+        else:
+            loaded = load_model("smollm2", dtype=args.dtype, weight_dtype=weight_dtype)
         models[f"{weight_dtype} ({loaded.model.weight_layout})"] = loaded
     first = next(iter(models.values()))
     print(
@@ -399,6 +404,9 @@ def weight_dtypes_main(args) -> None:
                 f"floor {floor:5.1f} ms, step/floor {t / floor:.2f}x; "
                 f"first of a run {first[name]:5.1f} ms ({first[name] / floor:.2f}x)"
             )
+        base_name, base = next(iter(ms.items()))
+        speeds = ", ".join(f"{name.split()[0]} {base / t:.2f}x" for name, t in ms.items())
+        print(f"  speed against {base_name}: {speeds}")
     if args.prefill:
         fns = {name: ours_prefill(loaded, args.prefill) for name, loaded in models.items()}
         ms = interleaved_medians(fns, max(3, args.steps // 6))
