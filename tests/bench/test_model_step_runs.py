@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.model_step import interleaved_runs
+from bench.model_step import interleaved_runs, main
 
 
 def test_runs_take_turns_and_keep_the_first_step_of_each_apart(monkeypatch):
@@ -30,3 +30,19 @@ def test_runs_take_turns_and_keep_the_first_step_of_each_apart(monkeypatch):
     # Medians over the rounds: a run that follows its own function's run starts warm.
     assert first == {"a": 10e3, "b": 20e3}  # ms
     assert later == {"a": 1e3, "b": 2e3}
+
+
+def test_weight_dtypes_print_bytes_floors_and_speed_against_the_first(monkeypatch, capsys):
+    """The issue-27 figures in one run: the baseline layout first, then each model's
+    bytes, floor and speed against it (a smoke run: figures are not asserted)."""
+    monkeypatch.setattr("bench.model_step.BANDWIDTH_BYTES", 32 << 20)
+    monkeypatch.setattr("bench.model_step.RUN", 2)
+    argv = ["model_step", "--dtype", "fp32", "--weight-dtypes", "onednn,int8"]
+    argv += ["--batches", "1", "--steps", "2", "--prefill", "0", "--skip-transformers"]
+    monkeypatch.setattr("sys.argv", argv)
+    main()
+    out = capsys.readouterr().out
+    assert "onednn (onednn)" in out and "int8 (int8_blocks)" in out
+    assert "reads   544 MB" in out and "reads   141 MB" in out
+    line = next(line for line in out.splitlines() if "speed against" in line)
+    assert line.split(": ", 1)[1].startswith("onednn 1.00x, int8 ")
