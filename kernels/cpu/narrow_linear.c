@@ -118,19 +118,20 @@ static inline __attribute__((always_inline)) void row_tile(
     }
     ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
     const int64_t width = format_width(format), line_steps = 64 / (COLS * width);
-    const char *next = (const char *)block + k * COLS * width;
-    const int64_t next_bytes = has_next ? k * COLS * width : 0;
+    /* A prefetch never faults: without a next block the tile prefetches its own lines
+     * again, so the loops carry no test for it. */
+    const char *ahead = (const char *)block + (has_next ? k * COLS * width : 0);
     int64_t kk = 0;
-    /* Below ROWS rows a turn of the loop takes a cache line of each block (line_steps
-     * k), with one prefetch and no test per k; the full tile's twelve accumulators leave
-     * no registers for that (it ran slower: docs/kernels.md). */
+    /* Below ROWS rows a turn of the loop takes a cache line of the block (line_steps
+     * k) and prefetches one; the full tile's twelve accumulators leave no registers for
+     * that (it ran slower: docs/kernels.md), it prefetches every k. */
     if (rows < ROWS)
         for (; kk + line_steps <= k; kk += line_steps) {
-            prefetch_next_tile(next, next_bytes, kk / line_steps, 1);
+            __builtin_prefetch(ahead + kk * COLS * width, 0, 2);
             for (int64_t u = 0; u < line_steps; u++) STEP(kk + u)
         }
     for (; kk < k; kk++) {
-        if (kk % line_steps == 0) prefetch_next_tile(next, next_bytes, kk / line_steps, 1);
+        __builtin_prefetch(ahead + kk * COLS * width, 0, 2);
         STEP(kk)
     }
 #undef STEP
