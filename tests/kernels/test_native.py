@@ -58,14 +58,25 @@ def _check(lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=N
 
 
 def test_the_library_is_built_once_per_source_flags_and_cpu(tmp_path, monkeypatch):
+    # The cache on a one-function source: the whole library takes tens of seconds a
+    # build, and the kernel tests build it for real.
+    source = tmp_path / "answer.c"
+    source.write_text("int chatsvc_answer(void) { return 42; }\n")
+    monkeypatch.setattr(native, "SOURCES", (source,))
+    monkeypatch.setattr(native, "HEADERS", ())
     monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     first = native.build("gcc", native.default_flags())
     assert first.parent == tmp_path / "kernels" and first.exists()
+    assert first.name == f"{native.LIBRARY}-{native.library_key('gcc', native.default_flags())}.so"
     built_at = first.stat().st_mtime_ns
     assert native.build("gcc", native.default_flags()) == first
     assert first.stat().st_mtime_ns == built_at  # cached, not rebuilt
     other = native.build("gcc", [*native.default_flags(), "-DCHATSVC_TEST_VARIANT"])
     assert other != first and other.exists()
+    source.write_text("int chatsvc_answer(void) { return 43; }\n")
+    assert native.build("gcc", native.default_flags()) not in (first, other)
+    monkeypatch.setattr(native, "_cpu_signature", lambda: "another CPU")
+    assert native.build("gcc", native.default_flags()) not in (first, other)
     assert not list((tmp_path / "kernels").glob("*.partial"))
 
 
@@ -81,21 +92,19 @@ def test_the_build_compiles_every_c_file_and_keys_every_header():
     assert included <= set(native.HEADERS)
 
 
-def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
+def test_an_edited_header_keys_a_new_library(tmp_path, monkeypatch):
     """The attention's files share attention.h: editing it must not load a library
-    built from the old one."""
+    built from the old one (``build`` names its file by the key)."""
     sources = tmp_path / "src"
     sources.mkdir()
     for path in (*native.SOURCES, *native.HEADERS):
         shutil.copy(path, sources / path.name)
     monkeypatch.setattr(native, "SOURCES", tuple(sources / p.name for p in native.SOURCES))
     monkeypatch.setattr(native, "HEADERS", tuple(sources / p.name for p in native.HEADERS))
-    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
-    first = native.build("gcc", native.default_flags())
+    first = native.library_key("gcc", native.default_flags())
     header = sources / "attention.h"
     header.write_text(header.read_text() + "\n/* edited */\n")
-    second = native.build("gcc", native.default_flags())
-    assert second != first and first.exists() and second.exists()
+    assert native.library_key("gcc", native.default_flags()) != first
 
 
 def test_a_wrapper_of_the_same_compiler_keys_another_library(tmp_path):
