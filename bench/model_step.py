@@ -15,13 +15,14 @@ Figures, not assertions.
 ``--weight-dtypes`` (an fp32 model) times one model per weight dtype instead, each in
 the layout ``CHATSVC_WEIGHT_DTYPE`` would give it (fp32, bf16 and int8: the narrow
 blocks; ``onednn``: fp32 weights in oneDNN's layout, the fp32 path before the narrow
-blocks, issue 27's baseline), and prints what a decode step reads (the matrices in their layout and
-the context's KV) against the machine's read bandwidth, measured in the same rounds
-(a sum over 512 MiB, interleaved with the steps): that time is the step's floor. Each
-round runs a model's steps back to back, as a decode loop does (``RUN`` of them), and
-prints two times: the steps of the run after its first, and the first step of each run,
-which follows the 512 MiB sum or another model's steps with nothing of its own left in
-the caches. Then each model's speed against the first one listed, from the same rounds.
+blocks, issue 27's baseline), and prints what a decode step reads (the matrices in
+their layout and the context's KV) against the machine's read bandwidth, measured in
+the same rounds (a sum over 512 MiB, interleaved with the steps): that time is the
+step's floor. Each round runs a model's steps back to back, as a decode loop does
+(``RUN`` of them), and prints two times: the steps of the run after its first, and the
+first step of each run, which follows the 512 MiB sum or another model's steps with
+nothing of its own left in the caches. Then each model's speed against the first one
+listed, from the same rounds.
 
 ``--compare-invariant`` times the default model twice, with invariant kernels (the
 default, ``kernels.invariance``) and with the fastest kernels per step shape

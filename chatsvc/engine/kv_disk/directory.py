@@ -25,6 +25,7 @@ and its ``lock`` file's mtime (set on open and on close) is that old.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -110,10 +111,9 @@ class TierDirectory:
 
     def close(self) -> None:
         if self._lock_fd is not None:
-            try:
-                os.utime(self._lock_fd)  # last used now, whenever it was opened
-            except OSError:
-                pass
+            # Last used now, whenever it was opened; a failure only makes it look older.
+            with contextlib.suppress(OSError):
+                os.utime(self._lock_fd)
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
@@ -214,34 +214,39 @@ class TierDirectory:
             if name.startswith(REMOVING) and entry.is_dir(follow_symlinks=False):
                 doomed.append(entry.path)  # a removal a stop interrupted
             elif _is_fingerprint(name) and name != self.path.name:
-                if entry.is_dir(follow_symlinks=False) and self._set_aside(entry, now, max_idle_s):
+                aside = entry.is_dir(follow_symlinks=False) and self._set_aside(
+                    entry, now, max_idle_s
+                )
+                if aside:
                     removed.append(name)
-                    doomed.append(os.path.join(self.root, f"{REMOVING}{name}"))
+                    doomed.append(aside)
         if doomed:
             threading.Thread(
                 target=_remove_all, args=(doomed,), name="kv-disk-prune", daemon=True
             ).start()
         return removed
 
-    def _set_aside(self, entry: os.DirEntry, now: float, max_idle_s: float) -> bool:
-        """Rename an idle directory of another fingerprint to REMOVING + its name."""
+    def _set_aside(self, entry: os.DirEntry, now: float, max_idle_s: float) -> str | None:
+        """Rename an idle directory of another fingerprint to REMOVING + its name; the new
+        path, or None where it stays."""
         try:
             fd = os.open(os.path.join(entry.path, "lock"), os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            return False  # not one of ours, or being created: leave it
+            return None  # not one of ours, or being created: leave it
         except OSError as exc:
             log.warning("KV disk tier: cannot check %s (%s)", entry.path, _reason(exc))
-            return False
+            return None
+        aside = os.path.join(self.root, f"{REMOVING}{entry.name}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             idle = now - os.fstat(fd).st_mtime
             if idle < max_idle_s:
-                return False
-            os.rename(entry.path, os.path.join(self.root, f"{REMOVING}{entry.name}"))
+                return None
+            os.rename(entry.path, aside)
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # else in use
                 log.warning("KV disk tier: cannot remove %s (%s)", entry.path, _reason(exc))
-            return False
+            return None
         finally:
             os.close(fd)
         log.info(
@@ -249,7 +254,7 @@ class TierDirectory:
             entry.path,
             idle / 86400,
         )
-        return True
+        return aside
 
     # -- space --------------------------------------------------------------------
 
