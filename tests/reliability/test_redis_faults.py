@@ -59,6 +59,9 @@ def service(redis_faulty):
         api_keys=(("faulty", KEY),),
         limits=RELIABILITY_LIMITS,
         engine=engine_config(),
+        # A turn lock orphaned by an outage frees itself after its TTL (the tests wait
+        # it out); a held one is extended every third of it, so short is safe here.
+        turn_lock_ttl_s=5,
     )
     with ThreadServer(create_app(settings)) as server:
         yield server
