@@ -205,6 +205,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> CrashReport:
             "CHATSVC_NUM_GPU_BLOCKS": "512",
             "CHATSVC_MAX_MODEL_LEN": "2048",
             "CHATSVC_MAX_TOKENS_CAP": str(max(64, args.max_tokens)),
+            "CHATSVC_TURN_LOCK_TTL_S": str(args.turn_lock_ttl_s),
         }
         server = ProcessServer(env, work_dir / "chatsvc.log")
         try:
@@ -238,6 +239,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-delay-s", type=float, default=4.0, help="after the first delta")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--turn-lock-ttl-s",
+        type=int,
+        default=30,
+        help="the service's turn lock TTL: how long a killed turn's lock holds its session "
+        "(default 30, the service's own)",
+    )
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary dir")
     args = parser.parse_args(argv)
     if args.kills < 1 or args.conversations < 1 or args.max_tokens < 1 or args.max_delay_s < 0:

@@ -22,7 +22,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
 async def test_three_kills_mid_stream_lose_no_acknowledged_turn(tmp_path):
-    args = parse_args(["--kills", "3", "--conversations", "3", "--seed", "7"])
+    # A killed turn's lock holds its session for the TTL: 5 s, not the default 30, to
+    # keep the test short (held locks are extended every third of it).
+    args = parse_args(
+        ["--kills", "3", "--conversations", "3", "--seed", "7", "--turn-lock-ttl-s", "5"]
+    )
     report = await run(args, tmp_path)
     print(report.summary())
     assert report.problems == []
