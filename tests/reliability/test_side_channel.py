@@ -27,7 +27,12 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PRIVATE_TRIALS = 300
+# Under the null the AUC over n x n pairs has a standard deviation of
+# sqrt((2n + 1) / (12 n^2)): 0.033 at 150, so the bound below is 3 sigma (a run
+# without any leak fails ~0.1% of the time), while a hit the size of the positive
+# control's (AUC 0.94-1.0 measured) lands far above it.
+PRIVATE_TRIALS = 150
+PRIVATE_AUC_BOUND = 0.60
 SHARED_TRIALS = 40
 TEXT_WORDS = 100  # single-token words: ~6 blocks a hit would skip
 BLOCK_SIZE = 16  # the reliability server's (tests/reliability/conftest.py)
@@ -186,4 +191,4 @@ def test_attacker_timing_cannot_tell_a_private_hit_and_a_shared_prompt_is_shared
     for victim, attacker_true, attacker_decoy in both_cached:
         assert min(victim, attacker_true) >= TEXT_WORDS - block > attacker_decoy
     assert shared_auc >= 0.8, "the positive control saw no hit: the timing test is blind"
-    assert private_auc <= 0.55
+    assert private_auc <= PRIVATE_AUC_BOUND
