@@ -184,15 +184,13 @@ def test_head_sizes(head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("without", ["amx-tile", "avx512bf16", "avx512f", "avx2"])
-def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, tmp_path, monkeypatch):
+def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, variant_library):
     """The default build takes the best path this CPU has; the others need their own
     builds: without AVX512-BF16, bf16 is widened to fp32 on AVX-512; without AVX-512,
     on AVX2; without AVX2 either, plain C (elsewhere than x86 the default build is that
     path)."""
-    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
     flags = {"avx2": ["-mno-avx512f", "-mno-avx2"]}.get(without, [f"-mno-{without}"])
-    flags = flags if platform.machine() == "x86_64" else []
-    lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
+    lib = variant_library(flags if platform.machine() == "x86_64" else [])
     _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
     _check([900], [5], 16, 1, 4, 128, dtype, lib)
     check_int8([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)  # the same loops, int8 KV
@@ -216,13 +214,12 @@ def _shared_prefix_case(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("build", ["default", "-mno-amx-tile"])
-def test_sequences_sharing_prefix_blocks_match_the_oracle(build, dtype, tmp_path, monkeypatch):
+def test_sequences_sharing_prefix_blocks_match_the_oracle(build, dtype, variant_library):
     """Shared prefixes go through one tile-unit item per group (bf16 with AMX) and are
     merged with each sequence's own keys; the other builds and dtypes ignore sharing."""
     lib = None
     if build != "default" and platform.machine() == "x86_64":
-        monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
-        lib = native.load(native.build("gcc", [*native.default_flags(), build]))
+        lib = variant_library([build])
     case, q_lens = _shared_prefix_case(dtype)
     query, starts = extend_inputs(case, q_lens, 9)
     out = _run(case, query, starts, list(range(len(q_lens))), lib)
@@ -236,8 +233,7 @@ def test_sequences_sharing_prefix_blocks_match_the_oracle(build, dtype, tmp_path
         assert_close(out[rows], expected[rows], dtype)
 
 
-def test_runs_route_to_the_c_kernel_up_to_its_limit_for_the_cpus_paths(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
+def test_runs_route_to_the_c_kernel_up_to_its_limit_for_the_cpus_paths(variant_library):
     lib = native.library()
     tiles = bool(lib.chatsvc_attention_uses_tiles())
     assert native_max_query(torch.bfloat16, 64, lib) == (
@@ -246,7 +242,7 @@ def test_runs_route_to_the_c_kernel_up_to_its_limit_for_the_cpus_paths(tmp_path,
     assert native_max_query(torch.float32, 64, lib) == NATIVE_MAX_QUERY
     assert native_max_query(torch.bfloat16, 48, lib) == NATIVE_MAX_QUERY
     if platform.machine() == "x86_64":
-        vector = native.load(native.build("gcc", [*native.default_flags(), "-mno-amx-tile"]))
+        vector = variant_library(["-mno-amx-tile"])
         assert not vector.chatsvc_attention_uses_tiles()
         assert native_max_query(torch.bfloat16, 64, vector) == NATIVE_MAX_QUERY
 

@@ -122,12 +122,10 @@ def test_bad_input_is_refused_before_any_work():
         pair_linear(x, weight, None, residual[:3])
 
 
-def test_a_build_without_avx512_bf16_refuses(tmp_path, monkeypatch):
+def test_a_build_without_avx512_bf16_refuses(variant_library):
     """What a CPU without AVX512-BF16 gets: the kernel says unavailable and returns -1,
     writing nothing (the model then takes the narrow blocks); packing still works."""
-    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
-    flags = ["-mno-avx512bf16"] if platform.machine() == "x86_64" else []
-    lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
+    lib = variant_library(["-mno-avx512bf16"] if platform.machine() == "x86_64" else [])
     assert lib.chatsvc_pair_linear_available() == 0
     x, w, _, _ = _inputs(2, 16, 8)
     weight = pack_pair_weight(w)

@@ -91,16 +91,12 @@ def test_bad_input_is_refused_before_any_work():
         tile_linear(x, weight, None, residual[:3])
 
 
-def test_a_build_without_the_tile_unit_refuses(tmp_path, monkeypatch):
+def test_a_build_without_the_tile_unit_refuses(variant_library):
     """What a CPU without AMX gets (on x86, a build without its instructions): the
     kernel reports no tiles and returns -1, writing nothing; packing still works."""
     import platform
 
-    from kernels.cpu import native
-
-    monkeypatch.setattr(native, "_build_dir", tmp_path / "kernels")
-    flags = ["-mno-amx-tile"] if platform.machine() == "x86_64" else []
-    lib = native.load(native.build("gcc", [*native.default_flags(), *flags]))
+    lib = variant_library(["-mno-amx-tile"] if platform.machine() == "x86_64" else [])
     assert lib.chatsvc_linear_uses_tiles() == 0
     x, w, _, _ = _inputs(4, 32, 64)
     weight = pack_tile_weight(w)
