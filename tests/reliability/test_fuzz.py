@@ -39,7 +39,7 @@ from tests.reliability.conftest import (
 from tests.reliability.fuzzing import operation_strategies, run_examples
 
 # Requests per (operation, mode); the total is asserted below. Override to fuzz longer.
-EXAMPLES = int(os.environ.get("CHATSVC_FUZZ_EXAMPLES", "130"))
+EXAMPLES = int(os.environ.get("CHATSVC_FUZZ_EXAMPLES", "60"))
 MIN_REQUESTS = 2_000
 REQUEST_TIMEOUT_S = 60
 # Generation is the only slow thing a request can ask for; two tokens keep
