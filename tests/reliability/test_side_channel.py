@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 PRIVATE_TRIALS = 150
 PRIVATE_AUC_BOUND = 0.60
 SHARED_TRIALS = 40
-TEXT_WORDS = 100  # single-token words: ~6 blocks a hit would skip
+TEXT_WORDS = 64  # single-token words: 96 prompt tokens, 5 of 6 full blocks a hit would skip
 BLOCK_SIZE = 16  # the reliability server's (tests/reliability/conftest.py)
 WORDS = (
     "time year people way day man thing woman life child world school state family student "
