@@ -7,7 +7,7 @@ every block holding a private token with the tenant's secret salt, so another
 tenant's guess can never hit; only blocks wholly inside a *shared* system
 prompt are public, on purpose.
 
-Each trial the victim (acme) holds a fresh private text of ~200 tokens, warm
+Each trial the victim (acme) holds a fresh private text of ~100 tokens, warm
 in the cache; the attacker (globex) sends that text and a decoy of the same
 token length, in random order, with ``max_tokens=1``, and times each answer.
 Fresh texts each trial mean the attacker never hits its own earlier guesses.
