@@ -32,7 +32,8 @@ def variant_library(tmp_path_factory) -> Callable[[list[str]], ctypes.CDLL]:
 
     def load(extra_flags: list[str]) -> ctypes.CDLL:
         flags = [*native.default_flags(), *extra_flags]
-        if tuple(flags) not in loaded:
+        key = tuple(flags)
+        if key not in loaded:
             name = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]
             lock_path = root / f"kernel-variant-{name}.lock"
             with open(lock_path, "w") as lock:
@@ -43,7 +44,7 @@ def variant_library(tmp_path_factory) -> Callable[[list[str]], ctypes.CDLL]:
                     path = native.build("gcc", flags)
                 finally:
                     native._build_dir = previous
-            loaded[tuple(flags)] = native.load(path)
-        return loaded[tuple(flags)]
+            loaded[key] = native.load(path)
+        return loaded[key]
 
     return load
