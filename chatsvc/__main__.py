@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-# Exit status of ``serve`` when the engine thread died: the process cannot serve
-# again by itself, so it ends and lets its supervisor start a fresh one.
+# Exit status of ``serve`` when the engine thread died (or stalled: its watchdog): the
+# process cannot serve again by itself, so it ends and lets its supervisor start a fresh one.
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE
 # uvicorn's own status for a start-up that failed (its lifespan raised).
 EXIT_STARTUP_FAILED = 3
@@ -57,8 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
     app.on_startup.append(watch)
     server.run()
     if died:
+        from chatsvc.engine.watchdog import EngineStalledError
+
+        what = "stalled" if isinstance(died[0], EngineStalledError) else "thread died"
         print(
-            "chatsvc: the engine thread died; exiting so a supervisor restarts the service",
+            f"chatsvc: the engine {what}; exiting so a supervisor restarts the service",
             file=sys.stderr,
         )
         return _exit(EXIT_ENGINE_DIED)

@@ -23,7 +23,10 @@ which failures are a request's own and which are the engine's), it closes the
 command list, every stream waiting in ``generate`` gets EngineStoppedError, later
 calls get it at once, and the death callbacks run on the event loop (the service
 turns not-ready and exits, so a supervisor restarts it). The engine's state is
-not trusted again.
+not trusted again. The same happens when the thread holds requests and makes no
+progress for ``watchdog_timeout_s`` (watchdog.py): a step that never returns would
+otherwise hold its requests, and their turn locks, for good. The stalled thread is
+not joined (it may never end); the process's exit takes it along.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from chatsvc.engine.config import EngineConfig
 from chatsvc.engine.engine import LLMEngine, StepOutput
 from chatsvc.engine.loader import LoadedModel
 from chatsvc.engine.threads import WINDOW_S as THREADS_WINDOW_S
+from chatsvc.engine.watchdog import EngineStalledError, Watchdog
 from chatsvc.protocol import (
     ChatTemplate,
     EngineInfo,
@@ -86,6 +90,7 @@ class AsyncEngine:
         self._closed = False
         self.failure: BaseException | None = None  # what killed the engine thread
         self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._watchdog: Watchdog | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -106,6 +111,11 @@ class AsyncEngine:
         self._thread.start()
         try:
             await asyncio.wrap_future(ready)
+            if self.config.watchdog_timeout_s:
+                self._watchdog = Watchdog(
+                    self.config.watchdog_timeout_s, self._stalled, self._describe_queues
+                )
+                self._watchdog.start(self._thread)
         except asyncio.CancelledError:
             # Cancelled mid-load (a SIGTERM during start-up): a load cannot be
             # interrupted, and the service must not wait for it. The thread sees
@@ -134,8 +144,10 @@ class AsyncEngine:
             return
         self._stopping = True
         self._wake.set()
-        if self._warming:
-            self._thread = None
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._warming or isinstance(self.failure, EngineStalledError):
+            self._thread = None  # not joined: see above, and the module docstring
             return
         await asyncio.to_thread(self._thread.join)
         self._thread = None
@@ -233,7 +245,14 @@ class AsyncEngine:
         tier's preload, which reads in the background while no request runs."""
 
         def warm(engine: LLMEngine):
-            shapes = engine.warm_up(self.config.warm_up_s, stop=lambda: self._stopping)
+            # Not watched: it runs up to warm_up_s, and no request waits on it.
+            if self._watchdog is not None:
+                self._watchdog.pause()
+            try:
+                shapes = engine.warm_up(self.config.warm_up_s, stop=lambda: self._stopping)
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.resume()
             if not self._stopping:
                 engine.start_preload()
             return [(shape.name, shape.seconds) for shape in shapes]
@@ -350,6 +369,7 @@ class AsyncEngine:
         while not self._stopping:
             self._apply_commands(engine)
             if not engine.has_unfinished_requests:
+                self._beat()  # nothing waits on an idle engine
                 if engine.has_unapplied_io:
                     # Idle, with disk writes still out: take them in as they end (a new
                     # command waits at most this long) rather than at the next request.
@@ -363,16 +383,42 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             self._deliver(engine.step())
+            if engine.progressed:
+                self._beat()
         for request_id in list(engine._requests):  # noqa: SLF001
             engine.abort_request(request_id)
         self._apply_commands(engine)
-        engine.close()  # the disk tier stores what only memory held, then stops its I/O
+        if self.failure is None:  # a stalled engine's state is not trusted to the disk
+            engine.close()  # the disk tier stores what only memory held, then stops its I/O
         self._close()
+
+    def _beat(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.beat()
+
+    def _describe_queues(self) -> str:
+        engine = self._engine
+        return f"{engine.num_requests} request(s); {engine.scheduler.describe()}"
+
+    def _stalled(self, error: EngineStalledError) -> None:
+        """The watchdog's call (on its thread; it logged the stacks): stop as on a death."""
+        self._stopping = True
+        self._wake.set()
+        self._fail(error)
 
     def _die(self, error: BaseException) -> None:
         """The engine thread's last act after an unexpected exception."""
         log.critical("the engine thread died; every request in flight fails", exc_info=error)
-        self.failure = error
+        self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        """Fail every waiter and refuse further commands; the first failure is the one kept."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = error
         self._close()
         try:
             self._loop.call_soon_threadsafe(self._fail_waiters)
@@ -425,6 +471,7 @@ class AsyncEngine:
             self._deliver(outputs)
             if future is not None:
                 future.set_result(result)
+            self._beat()
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         # One wake-up of the event loop per step, not one per stream: each wake-up is a
@@ -458,5 +505,7 @@ def _describe(engine: LLMEngine) -> EngineInfo:
 
 
 def _died(error: BaseException) -> EngineStoppedError:
+    if isinstance(error, EngineStalledError):
+        return EngineStoppedError(f"the engine was stopped: {error}")
     # Only the type: the message may quote a request's data, and this error reaches clients.
     return EngineStoppedError(f"the engine thread died ({type(error).__name__})")

@@ -133,6 +133,9 @@ class EngineConfig:
     speculative_max_k: int = 4  # proposals verified per step at most (adaptive below it)
     # Seconds the warm-up before serving may take (engine/warmup.py); 0: none.
     warm_up_s: float = 30.0
+    # Seconds the engine may hold requests without progress before it is stopped as
+    # dead (watchdog.py: the stacks go to the log, the service exits); 0: not watched.
+    watchdog_timeout_s: float = 300.0
     data_dir: str | None = None
 
     @property
@@ -196,6 +199,10 @@ class EngineConfig:
             raise ValueError(f"speculative_max_k must be 1..16, got {self.speculative_max_k}")
         if not 0 <= self.warm_up_s <= 3600:
             raise ValueError(f"warm_up_s must be 0..3600 seconds, got {self.warm_up_s}")
+        if not self.watchdog_timeout_s >= 0:
+            raise ValueError(
+                f"watchdog_timeout_s must be >= 0 (0 = off), got {self.watchdog_timeout_s}"
+            )
         return self
 
     def num_blocks_for(self, block_bytes: int, default_block_bytes: int) -> int:

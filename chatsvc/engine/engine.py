@@ -184,6 +184,9 @@ class LLMEngine:
             config, loaded, self.cache, self.runner.kv_pool, self.runner.host_pool
         )
         self.step_io: StepIO = NoStepIO() if self.disk_tier is None else self.disk_tier
+        # Whether the last step moved a request on (the AsyncEngine's watchdog): it
+        # computed tokens, started or landed a load, failed or preempted a sequence.
+        self.progressed = False
 
     def warm_up(self, budget_s: float, stop: Callable[[], bool] | None = None) -> list[WarmedShape]:
         """Run the step shapes the scheduler will use, within ``budget_s`` seconds, before
@@ -329,8 +332,10 @@ class LLMEngine:
         """
         self.watch_threads()
         io = self.step_io
-        self.scheduler.finish_loads(io.finished_loads())
+        landed = io.finished_loads()
+        self.scheduler.finish_loads(landed)
         out = self.scheduler.schedule()
+        self.progressed = bool(landed or out.scheduled or out.loads or out.failed or out.preempted)
         outputs: list[StepOutput] = []
         for seq, error in out.failed:
             outputs.extend(self._fail_request(seq.request.request_id, error))

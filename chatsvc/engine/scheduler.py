@@ -259,6 +259,27 @@ class Scheduler:
         self._computed = bool(out.scheduled)
         return out
 
+    def describe(self, most: int = 16) -> str:
+        """The queues in one line, at most ``most`` sequences each, for a log (the
+        engine's watchdog reads it from another thread)."""
+
+        def text(seq: Sequence) -> str:
+            status = seq.status.name.lower()
+            return f"{seq.seq_id} {status} {seq.num_computed_tokens}/{seq.num_tokens}"
+
+        def listed(seqs: list[Sequence], extra=lambda seq: "") -> str:
+            shown = ", ".join(text(seq) + extra(seq) for seq in seqs[:most])
+            return f"{len(seqs)} [{shown}{', ...' if len(seqs) > most else ''}]"
+
+        def waited(seq: Sequence) -> str:
+            return f" deferred {seq.num_deferred_steps}, since step {seq.waiting_since_step}"
+
+        return (
+            f"step {self.num_steps} (the last computed: {self._computed}); "
+            f"running {listed(list(self.running))}; waiting {listed(list(self.waiting), waited)}; "
+            f"loading {listed(list(self.loading.values()))}"
+        )
+
     def _schedule(
         self,
         seq: Sequence,

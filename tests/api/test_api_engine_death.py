@@ -1,5 +1,5 @@
-"""The service when its engine thread dies: streams fail at once, /readyz says so, the
-process exits non-zero so a supervisor restarts it.
+"""The service when its engine thread dies or stalls: streams fail at once, /readyz says
+so, the process exits non-zero so a supervisor restarts it.
 
 In-process (its own server: the death is for good) for what clients see; as a
 child process (``python -m chatsvc serve`` with an injected fault) for the exit.
@@ -18,7 +18,7 @@ from chatsvc.chat_client import iter_sse
 from chatsvc.config import Settings
 from tests import http_helpers
 from tests.api.conftest import ACME_KEY, ADMIN_KEY, TEST_LIMITS, engine_config
-from tests.api.engine_death_server import KILL_STOP
+from tests.api.engine_death_server import HANG_STOP, KILL_STOP
 from tests.http_helpers import new_session, unique
 from tests.redis_server import unique_prefix
 
@@ -121,5 +121,49 @@ def test_serve_exits_non_zero_when_the_engine_thread_dies(redis_server, tmp_path
         # A readiness wait, not a speed check: shutdown drains for up to 10 s.
         assert server.process.wait(timeout=120) == EXIT_ENGINE_DIED
         assert "the engine thread died" in (tmp_path / "chatsvc.log").read_text()
+    finally:
+        server.stop()
+
+
+def test_serve_exits_when_the_engine_stalls_and_the_session_goes_on_after_the_restart(
+    redis_server, tmp_path
+):
+    env = {
+        "CHATSVC_REDIS_URL": redis_server.url,
+        "CHATSVC_KEY_PREFIX": unique_prefix("stall"),
+        "CHATSVC_API_KEYS": f"acme:{ACME_KEY}",
+        "CHATSVC_HOST": "127.0.0.1",
+        "CHATSVC_NUM_GPU_BLOCKS": "128",
+        "CHATSVC_MAX_MODEL_LEN": "1024",
+        "CHATSVC_MAX_TOKENS_CAP": "64",
+        "CHATSVC_WATCHDOG_TIMEOUT_S": "2",
+    }
+    log = tmp_path / "chatsvc.log"
+    server = ProcessServer(env, log, module="tests.api.engine_death_server")
+    server.start()
+    try:
+        with http_helpers.client(server.url, ACME_KEY, timeout_s=300) as acme:
+            sid = new_session(acme)["id"]
+            body = {"content": "Hello!", "max_tokens": 8, "stop": [HANG_STOP]}
+            hung = acme.post(f"/sessions/{sid}/messages", json=body)
+            assert hung.status_code == 503, hung.text
+            assert hung.json()["error"]["type"] == "service_unavailable"
+        # The step never returns; the process exits all the same (the thread is not joined).
+        assert server.process.wait(timeout=120) == EXIT_ENGINE_DIED
+        text = log.read_text()
+        assert "the engine made no progress for" in text
+        # The stuck thread's stack is in the log, down to the line that waits.
+        engine_stack = text.split('Thread "chatsvc-engine":', 1)[1].split("Thread ", 1)[0]
+        assert "threading.Event().wait()" in engine_stack
+        assert "chatsvc: the engine stalled" in text
+        # Its supervisor starts it again: the turn lock went with the failed turn (no 409
+        # for the lock's TTL), nothing of the turn was stored, and the session goes on.
+        server.module = "chatsvc"
+        server.start()
+        with http_helpers.client(server.url, ACME_KEY, timeout_s=300) as acme:
+            assert acme.get(f"/sessions/{sid}/messages").json()["messages"] == []
+            again = acme.post(f"/sessions/{sid}/messages", json={"content": "Hello!"})
+            assert again.status_code == 200, again.text
+            assert len(acme.get(f"/sessions/{sid}/messages").json()["messages"]) == 2
     finally:
         server.stop()
