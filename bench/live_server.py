@@ -139,7 +139,7 @@ class ProcessServer:
 
         def ready() -> bool:
             if self.process.poll() is not None:
-                raise RuntimeError(f"chatsvc exited early:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"chatsvc exited early:\n{self.log_tail(3000)}")
             try:
                 return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -147,6 +147,11 @@ class ProcessServer:
 
         wait_until(ready, timeout_s, "chatsvc serve to become ready")
         return self
+
+    def log_tail(self, chars: int = 20_000) -> str:
+        """The end of the service's log (for a failure's message: a stalled engine's
+        stacks are there)."""
+        return self.log_path.read_text(errors="replace")[-chars:]
 
     def kill(self) -> None:
         """SIGKILL: no shutdown hooks run, as in a crash."""

@@ -21,6 +21,11 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
 # the restart and fleet suites start dozens). tests/live_service.py does the same
 # for in-process servers; tests/api/test_api_startup.py sets its own.
 os.environ.setdefault("CHATSVC_WARM_UP_S", "1")
+# ... and a watchdog that stops an engine stalled for two minutes (chatsvc/engine/
+# watchdog.py): the test then fails with the engine's stacks in the service's log,
+# long before a client's timeout (no step of these tests takes seconds, let alone two
+# minutes).
+os.environ.setdefault("CHATSVC_WATCHDOG_TIMEOUT_S", "120")
 
 import pytest  # noqa: E402
 import redis  # noqa: E402
