@@ -10,7 +10,8 @@
                                                          bf16 model's rows summed in fp32)
     int8_blocks  int8 + a scale per row, fp32 model     ``kernels.cpu.narrow_linear`` (AVX2)
     fp32_blocks  fp32 in 16-column blocks, fp32 model   ``kernels.cpu.narrow_linear`` (AVX2)
-    chunked      the matrices as loaded                  torch matmuls of fixed 16-row chunks
+    chunked      the matrices, stored column by column   torch matmuls of fixed 16-row chunks
+                 where that pays (``pack_columns``)
     triton       the matrices as loaded                  ``kernels.matmul`` (CUDA: one program
                                                          shape whatever the row count)
 
@@ -259,6 +260,29 @@ def triton_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
     return _triton_matmul(x, weight, None, residual)
 
 
+def pack_columns(weight: torch.Tensor) -> torch.Tensor:
+    """The chunked layout's matrix: the same ``[out, in]`` matrix, stored column by column
+    (its transpose contiguous) where torch's batched matmul reads that faster and sums
+    each row the same way (``columns_pay``), else as loaded."""
+    if weight.device.type == "cpu" and columns_pay(weight.dtype):
+        return weight.t().contiguous().t()
+    return weight
+
+
+def columns_pay(dtype: torch.dtype) -> bool:
+    """Whether the chunked layout stores ``dtype`` matrices column by column: bf16 where
+    oneDNN runs bf16.
+
+    There torch 2.13's ``bmm`` over a transposed view of a bf16 matrix takes a slow path:
+    a 16-row chunk through SmolLM2's 576 x 49,152 head took 161 ms against 6.3 ms over
+    the contiguous transpose, with the same bits (docs/engine.md, "Weights"). Where
+    oneDNN does not run bf16 (an AVX2 CPU) the contiguous transpose is the slow one and
+    sums differently. fp32 measured the same bits both ways and no step faster on the
+    AVX2 build; it stays as loaded (a tied head would take a second copy), as does fp16.
+    """
+    return dtype == torch.bfloat16 and _onednn_runs_bf16()
+
+
 def _chunked_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` as one batched matmul of ``CHUNK_ROWS``-row chunks (the last padded
     with zeros), so every product torch computes has the same shape."""
@@ -294,6 +318,6 @@ LINEARS = {
     "bf16_blocks": Linears("bf16_blocks", pack_bf16_weight, narrow_linear, narrow_linear_add),
     "int8_blocks": Linears("int8_blocks", pack_int8_weight, narrow_linear, narrow_linear_add),
     "fp32_blocks": Linears("fp32_blocks", pack_fp32_weight, narrow_linear, narrow_linear_add),
-    "chunked": Linears("chunked", _plain, chunked_linear, chunked_linear_add),
+    "chunked": Linears("chunked", pack_columns, chunked_linear, chunked_linear_add),
     "triton": Linears("triton", _plain, triton_linear, triton_linear_add),
 }

@@ -96,8 +96,8 @@ class LlamaModel:
         self.linears = LINEARS[self.weight_layout]
         self.prepacked = self.weight_layout not in ("plain", "chunked", "triton")
         self._lm_head = weights.lm_head
-        if self.prepacked:
-            pack = self.linears.pack
+        if self.weight_layout not in ("plain", "triton"):
+            pack = self.linears.pack  # chunked: column by column, or as loaded
             for layer in weights.layers:
                 layer.qkv_weight = pack(layer.qkv_weight)
                 layer.o_weight = pack(layer.o_weight)

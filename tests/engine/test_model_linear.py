@@ -16,7 +16,14 @@ from kernels.backend import (
     tile_linears_available,
 )
 from kernels.kv_layout import HUGE_PAGE_BYTES
-from kernels.linear import LINEARS, WEIGHT_LAYOUTS, can_prepack, choose_layout, exact_in_bf16
+from kernels.linear import (
+    LINEARS,
+    WEIGHT_LAYOUTS,
+    can_prepack,
+    choose_layout,
+    columns_pay,
+    exact_in_bf16,
+)
 from tests.memory_maps import vm_flags
 
 CPU = torch.device("cpu")
@@ -151,10 +158,10 @@ def test_the_chunked_layout_sums_a_row_the_same_whatever_the_step(dtype):
     """torch's own matmuls do not (one row takes a matrix-vector path); chunked calls
     every matmul at one shape."""
     gen = torch.Generator().manual_seed(2)
-    weight = (torch.randn(300, 576, generator=gen) / 24).to(dtype)
+    linears = LINEARS["chunked"]
+    weight = linears.pack((torch.randn(300, 576, generator=gen) / 24).to(dtype))
     x = torch.randn(40, 576, generator=gen).to(dtype)
     residual = torch.randn(40, 300, generator=gen).to(dtype)
-    linears = LINEARS["chunked"]
     batch = linears.linear_add(x, weight, residual)
     for rows in (1, 3, 16, 17, 33):
         got = linears.linear_add(x[:rows], weight, residual[:rows])
@@ -167,6 +174,25 @@ def test_the_chunked_layout_sums_a_row_the_same_whatever_the_step(dtype):
         assert torch.equal(linears.linear_add(x, weight, residual), batch)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_layout_stores_columns_only_where_that_pays_and_changes_no_value(dtype):
+    """bf16 where oneDNN runs it: the transpose contiguous (torch's bmm over the view was
+    5-25x slower there); elsewhere the matrix as loaded. Either way the same bits as the
+    view's sums, so a disk tier written before the change keeps its answers."""
+    gen = torch.Generator().manual_seed(3)
+    plain = (torch.randn(1536, 576, generator=gen) / 24).to(dtype)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
+    packed = LINEARS["chunked"].pack(plain)
+    assert packed.shape == plain.shape and torch.equal(packed, plain)
+    if columns_pay(dtype):
+        assert packed.t().is_contiguous() and packed.data_ptr() != plain.data_ptr()
+    else:
+        assert packed is plain
+    assert columns_pay(torch.float32) is False
+    linear = LINEARS["chunked"].linear
+    assert torch.equal(linear(x, packed), linear(x, plain))
 
 
 def test_a_models_matrices_lie_in_the_order_a_step_reads_them(smollm2_fp32):
