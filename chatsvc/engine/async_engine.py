@@ -506,6 +506,6 @@ def _describe(engine: LLMEngine) -> EngineInfo:
 
 def _died(error: BaseException) -> EngineStoppedError:
     if isinstance(error, EngineStalledError):
-        return EngineStoppedError(f"the engine was stopped: {error}")
+        return EngineStoppedError(f"{error}; it was stopped")
     # Only the type: the message may quote a request's data, and this error reaches clients.
     return EngineStoppedError(f"the engine thread died ({type(error).__name__})")

@@ -148,6 +148,7 @@ def test_serve_exits_when_the_engine_stalls_and_the_session_goes_on_after_the_re
             hung = acme.post(f"/sessions/{sid}/messages", json=body)
             assert hung.status_code == 503, hung.text
             assert hung.json()["error"]["type"] == "service_unavailable"
+            assert "no progress" in hung.json()["error"]["message"]
         # The step never returns; the process exits all the same (the thread is not joined).
         assert server.process.wait(timeout=120) == EXIT_ENGINE_DIED
         text = log.read_text()
