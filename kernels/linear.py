@@ -275,7 +275,7 @@ def columns_pay(dtype: torch.dtype) -> bool:
 
     There torch 2.13's ``bmm`` over a transposed view of a bf16 matrix takes a slow path:
     a 16-row chunk through SmolLM2's 576 x 49,152 head took 161 ms against 6.3 ms over
-    the contiguous transpose, with the same bits (docs/engine.md, "Weights"). Where
+    the contiguous transpose, with the same bits (docs/kernels.md). Where
     oneDNN does not run bf16 (an AVX2 CPU) the contiguous transpose is the slow one and
     sums differently. fp32 measured the same bits both ways and no step faster on the
     AVX2 build; it stays as loaded (a tied head would take a second copy), as does fp16.

@@ -95,17 +95,17 @@ class LlamaModel:
         )
         self.linears = LINEARS[self.weight_layout]
         self.prepacked = self.weight_layout not in ("plain", "chunked", "triton")
-        self._lm_head = weights.lm_head
-        if self.weight_layout not in ("plain", "triton"):
-            pack = self.linears.pack  # chunked: column by column, or as loaded
-            for layer in weights.layers:
-                layer.qkv_weight = pack(layer.qkv_weight)
-                layer.o_weight = pack(layer.o_weight)
-                layer.gate_up_weight = pack(layer.gate_up_weight)
-                layer.down_weight = pack(layer.down_weight)
-            # The embedding stays plain for lookups; a tied head gets its own packed copy.
-            self._lm_head = pack(weights.lm_head)
-            self._settle_on_huge_pages(weights)
+        # Every layout packs (plain and triton keep the matrices as loaded, chunked bf16
+        # stores them column by column where that pays).
+        pack = self.linears.pack
+        for layer in weights.layers:
+            layer.qkv_weight = pack(layer.qkv_weight)
+            layer.o_weight = pack(layer.o_weight)
+            layer.gate_up_weight = pack(layer.gate_up_weight)
+            layer.down_weight = pack(layer.down_weight)
+        # The embedding stays plain for lookups; a tied head gets its own packed copy.
+        self._lm_head = pack(weights.lm_head)
+        self._settle_on_huge_pages(weights)
         # The layers as the native step's one-call loop reads them (None: it cannot).
         self.native_layers = decoder_weights(
             [

@@ -64,7 +64,6 @@ class Watchdog:
         self._last = clock()
         self._paused = False
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
         self._last = self._clock()
@@ -82,10 +81,9 @@ class Watchdog:
 
     def start(self, watched: threading.Thread) -> None:
         self.beat()
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._watch, args=(watched,), name="chatsvc-watchdog", daemon=True
-        )
-        self._thread.start()
+        ).start()
 
     def stop(self) -> None:
         self._done.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,17 +100,23 @@ def test_a_dead_engine_fails_every_stream_and_turns_the_service_not_ready(doomed
         assert cache.json()["error"]["type"] == "service_unavailable"
 
 
-def test_serve_exits_non_zero_when_the_engine_thread_dies(redis_server, tmp_path):
+def _faulty_server(redis_server, log: Path, label: str, **env: str) -> ProcessServer:
+    """``python -m tests.api.engine_death_server serve`` (the injected faults) on its own prefix."""
     env = {
         "CHATSVC_REDIS_URL": redis_server.url,
-        "CHATSVC_KEY_PREFIX": unique_prefix("death"),
+        "CHATSVC_KEY_PREFIX": unique_prefix(label),
         "CHATSVC_API_KEYS": f"acme:{ACME_KEY}",
         "CHATSVC_HOST": "127.0.0.1",
         "CHATSVC_NUM_GPU_BLOCKS": "128",
         "CHATSVC_MAX_MODEL_LEN": "1024",
         "CHATSVC_MAX_TOKENS_CAP": "64",
+        **env,
     }
-    server = ProcessServer(env, tmp_path / "chatsvc.log", module="tests.api.engine_death_server")
+    return ProcessServer(env, log, module="tests.api.engine_death_server")
+
+
+def test_serve_exits_non_zero_when_the_engine_thread_dies(redis_server, tmp_path):
+    server = _faulty_server(redis_server, tmp_path / "chatsvc.log", "death")
     server.start()
     try:
         with http_helpers.client(server.url, ACME_KEY, timeout_s=300) as acme:
@@ -128,18 +135,8 @@ def test_serve_exits_non_zero_when_the_engine_thread_dies(redis_server, tmp_path
 def test_serve_exits_when_the_engine_stalls_and_the_session_goes_on_after_the_restart(
     redis_server, tmp_path
 ):
-    env = {
-        "CHATSVC_REDIS_URL": redis_server.url,
-        "CHATSVC_KEY_PREFIX": unique_prefix("stall"),
-        "CHATSVC_API_KEYS": f"acme:{ACME_KEY}",
-        "CHATSVC_HOST": "127.0.0.1",
-        "CHATSVC_NUM_GPU_BLOCKS": "128",
-        "CHATSVC_MAX_MODEL_LEN": "1024",
-        "CHATSVC_MAX_TOKENS_CAP": "64",
-        "CHATSVC_WATCHDOG_TIMEOUT_S": "2",
-    }
     log = tmp_path / "chatsvc.log"
-    server = ProcessServer(env, log, module="tests.api.engine_death_server")
+    server = _faulty_server(redis_server, log, "stall", CHATSVC_WATCHDOG_TIMEOUT_S="2")
     server.start()
     try:
         with http_helpers.client(server.url, ACME_KEY, timeout_s=300) as acme:
