@@ -1,7 +1,8 @@
 """Decode-step and prefill time of our forward pass vs transformers' own, same model and input.
 
-    .venv/bin/python -m bench.model_step [--dtype bf16|fp32] [--batches 1,8] [--steps 30]
-        [--compare-backends] [--weight-dtypes onednn,fp32,bf16,int8] [--compare-invariant]
+    .venv/bin/python -m bench.model_step [--model smollm2] [--dtype bf16|fp32] [--batches 1,8]
+        [--steps 30] [--compare-backends] [--weight-dtypes onednn,fp32,bf16,int8]
+        [--compare-invariant]
 
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
@@ -22,7 +23,8 @@ step's floor. Each round runs a model's steps back to back, as a decode loop doe
 (``RUN`` of them), and prints two times: the steps of the run after its first, and the
 first step of each run, which follows the 512 MiB sum or another model's steps with
 nothing of its own left in the caches. Then each model's speed against the first one
-listed, from the same rounds.
+listed, from the same rounds. ``--model random:qwen2.5-0.5b`` (a shape with seeded
+random weights) reads 0.5-2 GB a step, so no cache holds a step's weights till the next.
 
 ``--compare-invariant`` times the default model twice, with invariant kernels (the
 default, ``kernels.invariance``) and with the fastest kernels per step shape
@@ -229,6 +231,12 @@ def hf_prefill(hf, length: int) -> Callable[[], object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default=None, help="bf16 or fp32 (default: by hardware)")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="what load_model takes (default: the shipped SmolLM2-135M); with --weight-dtypes, "
+        "a larger shape, e.g. random:qwen2.5-0.5b, puts a step's bytes past the CPU's last cache",
+    )
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
@@ -281,16 +289,18 @@ def main() -> None:
         invariant_main(args)
         return
 
-    plain = load_model("smollm2", dtype=args.dtype, prepack_weights=False)
-    packed = load_model("smollm2", dtype=args.dtype, prepack_weights=True)
+    plain = load_model(args.model, dtype=args.dtype, prepack_weights=False)
+    packed = load_model(args.model, dtype=args.dtype, prepack_weights=True)
     onednn = None
     if packed.model.weight_layout != "onednn" and can_prepack(
         packed.model.device, packed.model.dtype
     ):
-        onednn = load_model("smollm2", dtype=args.dtype, prepack_weights="onednn")
+        onednn = load_model(args.model, dtype=args.dtype, prepack_weights="onednn")
     dtype = plain.model.dtype
     hf = None
-    if not args.skip_transformers:
+    if not args.skip_transformers and plain.path is None:
+        print("random weights: no checkpoint for transformers to load; it is skipped")
+    elif not args.skip_transformers:
         from transformers import LlamaForCausalLM
 
         hf = LlamaForCausalLM.from_pretrained(str(plain.path), dtype=dtype, local_files_only=True)
@@ -336,9 +346,9 @@ def invariant_main(args) -> None:
     """The default model with invariant kernels and with the fastest ones, interleaved."""
     fastest = args.fastest_layout or None
     models = {
-        "invariant": load_model("smollm2", dtype=args.dtype, invariant=True),
+        "invariant": load_model(args.model, dtype=args.dtype, invariant=True),
         "fastest": load_model(
-            "smollm2", dtype=args.dtype, invariant=False, prepack_weights=fastest
+            args.model, dtype=args.dtype, invariant=False, prepack_weights=fastest
         ),
     }
     first = models["invariant"]
@@ -377,9 +387,9 @@ def weight_dtypes_main(args) -> None:
     models = {}
     for weight_dtype in args.weight_dtypes.split(","):
         if weight_dtype == "onednn":
-            loaded = load_model("smollm2", dtype=args.dtype, prepack_weights="onednn")
+            loaded = load_model(args.model, dtype=args.dtype, prepack_weights="onednn")
         else:
-            loaded = load_model("smollm2", dtype=args.dtype, weight_dtype=weight_dtype)
+            loaded = load_model(args.model, dtype=args.dtype, weight_dtype=weight_dtype)
         models[f"{weight_dtype} ({loaded.model.weight_layout})"] = loaded
     first = next(iter(models.values()))
     print(

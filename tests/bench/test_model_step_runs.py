@@ -46,3 +46,17 @@ def test_weight_dtypes_print_bytes_floors_and_speed_against_the_first(monkeypatc
     assert "reads   544 MB" in out and "reads   141 MB" in out
     line = next(line for line in out.splitlines() if "speed against" in line)
     assert line.split(": ", 1)[1].startswith("onednn 1.00x, int8 ")
+
+
+def test_weight_dtypes_take_another_model_shape(monkeypatch, capsys):
+    """``--model``: a random-weight shape, so a step's bytes can exceed the CPU's caches;
+    the bytes printed are that model's (tiny-llama: a 49,152 x 64 head, 13 MB in fp32)."""
+    monkeypatch.setattr("bench.model_step.BANDWIDTH_BYTES", 32 << 20)
+    monkeypatch.setattr("bench.model_step.RUN", 2)
+    argv = ["model_step", "--model", "random:tiny-llama", "--dtype", "fp32"]
+    argv += ["--weight-dtypes", "fp32,bf16", "--batches", "1", "--steps", "2", "--prefill", "0"]
+    monkeypatch.setattr("sys.argv", argv)
+    main()
+    out = capsys.readouterr().out
+    assert out.startswith("model random:tiny-llama, dtype torch.float32")
+    assert "reads    13 MB" in out and "reads     7 MB" in out
