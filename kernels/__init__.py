@@ -34,10 +34,12 @@ only the attention):
   host sync on CUDA, so a hot path fed by the trusted cache manager may turn
   them off. Shape, dtype and device checks always run.
 
+- A KV cache may be narrower than the model: bf16 for an fp32 model (``write_kv`` rounds
+  each value to nearest even; the attention widens it as it reads), or int8 below.
 - ``scales``: for an int8 KV cache (``kernels.kv_layout``: int8 rows with a scale per
   token and head), the caches' scale views (``KVScales``; ``kv_layout.layer_kv`` splits a
   layer of the pool into both). ``write_kv`` quantizes on every backend; the attention
-  reads int8 caches on every backend (Triton's invariant kernels only: with
+  reads narrower caches on every backend (Triton's invariant kernels only: with
   ``invariant=False`` the triton backend raises ``ValueError``).
 
 Bad input raises ``ValueError`` before any memory is touched.
@@ -58,7 +60,7 @@ from kernels.extend_attention import (
     paged_extend_attention_triton,
 )
 from kernels.extend_metadata import ExtendMetadata, check_extend_metadata
-from kernels.kv_layout import KVScales
+from kernels.kv_layout import KVScales, is_narrowed
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope_
 from kernels.span_attention import paged_attention_spans
@@ -207,7 +209,8 @@ def _attention_on_cpu(
     _check_metadata(metadata, inputs, choice)
     if choice.backend == "native":
         return paged_extend_attention_native(inputs, metadata, choice.invariant, scales)
-    if scales is not None:  # int8 KV: the span tasks dequantize, the groups read floats
+    if is_narrowed(inputs.k_cache.dtype, inputs.query.dtype):
+        # The span tasks widen what they gather; the groups read the query's dtype.
         plan = metadata if isinstance(metadata, SpanMetadata) else None
         return paged_attention_spans(inputs, plan, scales)
     if choice.invariant:

@@ -42,7 +42,7 @@ from kernels.cpu import native
 from kernels.cpu.narrow_linear import narrow_linear_available
 from kernels.cpu.pair_linear import pair_linear_available
 from kernels.cpu.tile_linear import tile_linear_available
-from kernels.kv_layout import QUANT_DTYPE, is_quantized
+from kernels.kv_layout import holds, is_narrowed
 
 BACKENDS = ("auto", "torch", "native", "triton")
 ENV_VAR = "CHATSVC_KERNEL_BACKEND"
@@ -96,11 +96,12 @@ def native_takes(
     head_dim: int | None = None,
     kv_dtype: torch.dtype | None = None,
 ) -> bool:
-    """Whether the C kernels take such tensors: on the CPU, fp32 or bf16, KV caches of
-    that dtype or int8 (``kv_dtype``, None: ``dtype``), and for the attention
-    (``head_dim`` given) a head size that is a multiple of 16 (its vector width) up to 256."""
+    """Whether the C kernels take such tensors: on the CPU, fp32 or bf16, KV caches that
+    hold that dtype's K/V (``kv_dtype``, None: ``dtype``; ``kv_layout.holds``), and for the
+    attention (``head_dim`` given) a head size that is a multiple of 16 (its vector width)
+    up to 256."""
     heads_fit = head_dim is None or (head_dim % 16 == 0 and head_dim <= 256)
-    kv_fits = kv_dtype is None or kv_dtype in (dtype, QUANT_DTYPE)
+    kv_fits = kv_dtype is None or holds(kv_dtype, dtype)
     return device.type == "cpu" and dtype in native.DTYPE_CODES and heads_fit and kv_fits
 
 
@@ -112,9 +113,10 @@ def native_max_query(
 ) -> int:
     """New tokens per sequence up to which the native backend runs the C attention:
     ``NATIVE_MAX_QUERY_TILES`` where bf16 runs take the tile unit, else
-    ``NATIVE_MAX_QUERY``; every run for an int8 cache (``NATIVE_ALL``: the torch groups
-    read float caches). ``lib``: a library ``kernels.cpu.native`` built (default: its own)."""
-    if kv_dtype is not None and is_quantized(kv_dtype):
+    ``NATIVE_MAX_QUERY``; every run for a cache narrower than ``dtype`` (``NATIVE_ALL``:
+    the torch groups read caches of the query's dtype). ``lib``: a library
+    ``kernels.cpu.native`` built (default: its own)."""
+    if kv_dtype is not None and is_narrowed(kv_dtype, dtype):
         return NATIVE_ALL
     lib = lib if lib is not None else native.library()
     tiles = lib is not None and dtype == torch.bfloat16 and head_dim % 32 == 0
@@ -140,17 +142,19 @@ def choose_kernels(
     the step (``kernels.invariance``; on the native backend the C attention then takes
     every run); False: the fastest for each step's shape.
 
-    ``kv_dtype``: the KV caches' (None: ``dtype``). An int8 cache is read by the native
-    kernels, the torch reference's span tasks and Triton's invariant span kernel; Triton's
-    other kernels read float caches, so an int8 step on the triton backend with
+    ``kv_dtype``: the KV caches' (None: ``dtype``). A cache narrower than ``dtype`` (int8,
+    or bf16 for fp32: ``kv_layout.is_narrowed``) is read by the native kernels, the torch
+    reference's span tasks and Triton's invariant span kernel; Triton's other kernels read
+    caches of the query's dtype, so such a step on the triton backend with
     ``invariant=False`` raises ``ValueError``."""
     chosen = resolve_backend(backend, device)
-    quantized = kv_dtype is not None and is_quantized(kv_dtype)
+    narrowed = kv_dtype is not None and is_narrowed(kv_dtype, dtype)
     if chosen == "native" and not native_takes(device, dtype, head_dim, kv_dtype):
         chosen = "torch"
-    if quantized and head_dim is not None and chosen == "triton" and not invariant:
+    if narrowed and head_dim is not None and chosen == "triton" and not invariant:
         raise ValueError(
-            "an int8 KV cache is read by Triton's invariant kernels only (invariant=True)"
+            f"a {kv_dtype} KV cache under a {dtype} model is read by Triton's invariant "
+            "kernels only (invariant=True)"
         )
     limit = 0
     if chosen == "native" and head_dim is not None:

@@ -15,9 +15,11 @@ Why this order:
   they take strides from the tensor and never assume the pool is dense
   per layer.
 
-**KV dtypes.** A float pool (fp32, bf16, fp16: the model's dtype) has no scale
-layers. An int8 pool (``CHATSVC_KV_DTYPE=int8``) stores each (token, KV head) row
-of ``head_dim`` values as int8 with one scale, symmetric (``kernels.kv_quant``):
+**KV dtypes.** A float pool (fp32, bf16, fp16: the model's dtype, or bf16 for an
+fp32 model, ``CHATSVC_KV_DTYPE=bf16``: each value rounded to nearest even on its way
+in, widened to fp32 as it is read) has no scale layers. An int8 pool
+(``CHATSVC_KV_DTYPE=int8``) stores each (token, KV head) row of ``head_dim`` values as
+int8 with one scale, symmetric (``kernels.kv_quant``):
 
     x ~ q * scale,  q = round-half-even(x / scale) in [-127, 127],
     scale = max|x| / 127 rounded *up* to bf16 (0 for a row of zeros)
@@ -71,7 +73,7 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 QUANT_DTYPE = torch.int8
 SCALE_DTYPE = torch.bfloat16
 # The names of the KV dtypes (EngineConfig.kv_dtype): "auto" is the model's dtype.
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ("auto", "bf16", "int8")
 
 
 # What an int8 pool's rows and scales are and where they lie: part of the disk tier's
@@ -90,10 +92,29 @@ def is_quantized(dtype: torch.dtype) -> bool:
 
 
 def kv_dtype_for(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The pool dtype a ``KV_DTYPES`` name means for a model computing in ``model_dtype``."""
+    """The pool dtype a ``KV_DTYPES`` name means for a model computing in ``model_dtype``;
+    ValueError where a pool of it cannot hold that model's K/V (``holds``)."""
     if name not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {name!r}")
-    return QUANT_DTYPE if name == "int8" else model_dtype
+    kv_dtype = {"auto": model_dtype, "bf16": torch.bfloat16, "int8": QUANT_DTYPE}[name]
+    if not holds(kv_dtype, model_dtype):
+        raise ValueError(f"a {name} KV cache holds an fp32 or bf16 model's K/V, not {model_dtype}")
+    return kv_dtype
+
+
+def holds(kv_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a pool of ``kv_dtype`` can hold the K/V of a model computing in ``dtype``:
+    its own dtype, int8 rows, or bf16 for fp32 (values rounded to nearest even)."""
+    narrower = kv_dtype == torch.bfloat16 and dtype == torch.float32
+    return kv_dtype in (dtype, QUANT_DTYPE) or narrower
+
+
+def is_narrowed(kv_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a pool of ``kv_dtype`` holds ``dtype``'s values in fewer bits (int8 rows, or
+    bf16 for fp32): read only by the kernels that widen each key and value as they load
+    it (the span tasks, the C attention, Triton's span kernel), never by the torch
+    groups, which read caches of the query's dtype."""
+    return kv_dtype != dtype
 
 
 def scale_layers_for(num_layers: int, head_dim: int, dtype: torch.dtype) -> int:

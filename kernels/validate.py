@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_layout import QUANT_DTYPE, SCALE_DTYPE, KVScales, is_quantized
+from kernels.kv_layout import QUANT_DTYPE, SCALE_DTYPE, KVScales, holds, is_quantized
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A KV cache holds values in a float dtype, or int8 rows with scales (kernels/kv_layout.py).
@@ -79,10 +79,13 @@ def check_query(query: torch.Tensor, k_cache: torch.Tensor, name: str = "query")
     """Check a ``[N, H_q, D]`` query against the caches; return the GQA group size."""
     if query.dim() != 3:
         raise ValueError(f"{name} must be 3-D [N, H_q, D], got shape {tuple(query.shape)}")
-    if query.dtype != k_cache.dtype and not is_quantized(k_cache.dtype):
-        raise ValueError(f"{name} dtype {query.dtype} != KV cache dtype {k_cache.dtype}")
     if query.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} dtype must be one of {FLOAT_DTYPES}, got {query.dtype}")
+    if not holds(k_cache.dtype, query.dtype):
+        raise ValueError(
+            f"a {k_cache.dtype} KV cache does not hold {name} dtype {query.dtype}'s K/V "
+            "(its own dtype, int8, or bf16 for fp32)"
+        )
     if query.device != k_cache.device:
         raise ValueError(f"{name} on {query.device} but the KV cache on {k_cache.device}")
     num_q_heads, head_dim = query.shape[1], query.shape[2]

@@ -2,9 +2,11 @@
 
 A slot is ``block * block_size + offset``; ``-1`` marks a token whose K/V is
 not stored (padding). The caches are one layer's strided views of the pool
-(``kv_layout.layer_views``), written in place. An int8 cache (``kv_layout``) takes
-its scale views too (``KVScales``): each (token, head) row is quantized on its way
-in (``kernels.kv_quant``, the reference every backend matches bit for bit).
+(``kv_layout.layer_views``), written in place. A bf16 cache takes fp32 rows too (an
+fp32 model's, ``kv_layout.holds``): each value rounded to nearest even, as torch's
+``.to(torch.bfloat16)``. An int8 cache (``kv_layout``) takes its scale views too
+(``KVScales``): each (token, head) row is quantized on its way in
+(``kernels.kv_quant``, the reference every backend matches bit for bit).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import ctypes
 import torch
 
 from kernels.cpu import native
-from kernels.kv_layout import KVScales, is_quantized
+from kernels.kv_layout import KVScales, holds, is_quantized
 from kernels.kv_quant import QMAX, quantize_rows
 from kernels.step.write_index import WriteIndex, write_index
 from kernels.triton_compat import runnable, tl, triton
@@ -46,8 +48,10 @@ def write_kv_kernel(
     HEADS_P2: tl.constexpr,
     DIM_P2: tl.constexpr,
     LOG2_BLOCK: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
-    # One program per token: its [H_kv, D] row goes to one slot.
+    # One program per token: its [H_kv, D] row goes to one slot. NARROW: fp32 rows into a
+    # bf16 cache passed as int16, rounded here (the store's own cast may truncate).
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     block = slot >> LOG2_BLOCK
@@ -62,8 +66,19 @@ def write_kv_kernel(
     k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    if NARROW:
+        k, v = _bf16_bits(k), _bf16_bits(v)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _bf16_bits(x):
+    # fp32 -> bf16 bits (int16), nearest even as torch narrows; NaN stays NaN (quiet).
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, (bits >> 16) | 0x40, rounded).to(tl.int16)
 
 
 @triton.jit
@@ -152,8 +167,11 @@ def check_write_kv(
     for name, t in (("key", key), ("value", value)):
         if quantized and t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} dtype must be one of {FLOAT_DTYPES}, got {t.dtype}")
-        if not quantized and t.dtype != k_cache.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != KV cache dtype {k_cache.dtype}")
+        if not quantized and not holds(k_cache.dtype, t.dtype):
+            raise ValueError(
+                f"a {k_cache.dtype} KV cache does not hold {name} dtype {t.dtype} "
+                "(its own dtype, or fp32 into bf16)"
+            )
         if t.device != k_cache.device:
             raise ValueError(f"{name} on {t.device} but the KV cache on {k_cache.device}")
         if t.stride(-1) != 1:
@@ -201,8 +219,8 @@ def write_kv_torch(
     if index.keep is not None:
         key, value = key[index.keep], value[index.keep]
     if scales is None:
-        k_cache[index.blocks, index.offsets] = key
-        v_cache[index.blocks, index.offsets] = value
+        k_cache[index.blocks, index.offsets] = key.to(k_cache.dtype)
+        v_cache[index.blocks, index.offsets] = value.to(v_cache.dtype)
         return
     for cache, scale, rows in ((k_cache, scales.k, key), (v_cache, scales.v, value)):
         q, s = quantize_rows(rows)
@@ -228,7 +246,7 @@ def write_kv_native(
     caches = (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.stride()[:3]
     slots = slot_mapping.to(torch.int64).contiguous()
     if scales is None:
-        launch_write_kv(lib, key, value, *caches, slots, k_cache.shape[1])
+        launch_write_kv(lib, key, value, *caches, slots, k_cache.shape[1], k_cache.dtype)
         return
     check_shared_strides(*scales)
     scale_args = (scales.k.data_ptr(), scales.v.data_ptr(), *scales.k.stride())
@@ -243,10 +261,11 @@ def launch_write_kv(
     cache_strides: tuple[int, int, int],
     slots: torch.Tensor,
     block_size: int,
+    kv_dtype: torch.dtype,
 ) -> None:
-    """The C call alone: caches by address (K, V) and their shared (block, slot, head)
-    strides in elements; ``slots`` int64 and contiguous. ``kernels.step.native_step`` calls
-    it with a step's slots converted once."""
+    """The C call alone: caches of ``kv_dtype`` by address (K, V) and their shared (block,
+    slot, head) strides in elements; ``slots`` int64 and contiguous.
+    ``kernels.step.native_step`` calls it with a step's slots converted once."""
     lib.chatsvc_write_kv(
         key.data_ptr(),
         key.stride(0),
@@ -261,7 +280,8 @@ def launch_write_kv(
         key.shape[1],
         key.shape[2],
         block_size,
-        key.element_size(),
+        native.DTYPE_CODES[key.dtype],
+        native.DTYPE_CODES[kv_dtype],
     )
 
 
@@ -338,12 +358,13 @@ def write_kv_triton(
             **sizes,
         )
         return
+    narrow = key.dtype != k_cache.dtype
     kernel = runnable(write_kv_kernel, key.device)
     kernel[(num_tokens,)](
         key,
         value,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.int16) if narrow else k_cache,
+        v_cache.view(torch.int16) if narrow else v_cache,
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -352,5 +373,6 @@ def write_kv_triton(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        NARROW=narrow,
         **sizes,
     )

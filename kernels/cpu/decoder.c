@@ -109,7 +109,7 @@ static void write_kv(const DecoderStep *s, int64_t layer, char *k_cache) {
     if (!s->scales) {
         chatsvc_write_kv(key, row, D, value, row, D, k_cache, v_cache, s->kv_stride_block,
                          s->kv_stride_slot, s->kv_stride_head, s->slots, s->tokens,
-                         s->num_kv_heads, D, s->block_size, item_size(s));
+                         s->num_kv_heads, D, s->block_size, s->dtype, s->kv_dtype);
         return;
     }
     char *k_scale = s->scales + layer * s->scale_layer_bytes;

@@ -23,7 +23,7 @@ void chatsvc_write_kv(const void *key, int64_t key_stride_t, int64_t key_stride_
                       const void *value, int64_t value_stride_t, int64_t value_stride_h,
                       void *k_cache, void *v_cache, int64_t stride_block, int64_t stride_slot,
                       int64_t stride_head, const int64_t *slots, int64_t tokens, int64_t heads,
-                      int64_t head_dim, int64_t block_size, int64_t item_size);
+                      int64_t head_dim, int64_t block_size, int32_t dtype, int32_t kv_dtype);
 
 void chatsvc_write_kv_int8(const void *key, int64_t key_stride_t, int64_t key_stride_h,
                            const void *value, int64_t value_stride_t, int64_t value_stride_h,

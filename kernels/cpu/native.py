@@ -282,7 +282,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     write.argtypes = [
         ptr, i64, i64, ptr, i64, i64,  # key, value and their (token, head) strides
         ptr, ptr, i64, i64, i64,  # k_cache, v_cache, strides (block, slot, head)
-        ptr, i64, i64, i64, i64, i64,  # slots, tokens, heads, head_dim, block_size, item size
+        ptr, i64, i64, i64, i64,  # slots, tokens, heads, head_dim, block_size
+        i32, i32,  # the rows' dtype, the caches' (the same, or fp32 rows into bf16)
     ]  # fmt: skip
     write = lib.chatsvc_write_kv_int8
     write.restype = None

@@ -2,8 +2,8 @@
  *
  * torch's indexed assignment (two index_put calls, after a gather of the rows
  * to keep) costs tens of microseconds per layer for a handful of tokens; this is
- * a row copy per token and head (or, for an int8 cache, a row quantized per token and
- * head: `chatsvc_write_kv_int8`). Slot -1 skips the token. Arguments (slots in range
+ * a row copy per token and head (an fp32 row into a bf16 cache rounded on the way; for an
+ * int8 cache, a row quantized per token and head: `chatsvc_write_kv_int8`). Slot -1 skips the token. Arguments (slots in range
  * and distinct) are checked by kernels/write_kv.py.
  */
 
@@ -14,23 +14,36 @@
 #include "common.h"
 #include "exports.h"
 
+/* One row of `n` values from `src` (`dtype`) into `dst` (`kv_dtype`): copied, or an fp32
+ * model's row rounded to bf16 (nearest even, as torch narrows). */
+static void store_row(void *dst, const void *src, int64_t n, int32_t dtype, int32_t kv_dtype) {
+    if (dtype == kv_dtype) {
+        memcpy(dst, src, (size_t)n * (dtype == DTYPE_F32 ? 4 : 2));
+        return;
+    }
+    const float *from = src;
+    uint16_t *to = dst;
+    for (int64_t i = 0; i < n; i++) to[i] = f32_to_bf16(from[i]);
+}
+
 void chatsvc_write_kv(const void *key, int64_t key_stride_t, int64_t key_stride_h,
                       const void *value, int64_t value_stride_t, int64_t value_stride_h,
                       void *k_cache, void *v_cache, int64_t stride_block, int64_t stride_slot,
                       int64_t stride_head, const int64_t *slots, int64_t tokens, int64_t heads,
-                      int64_t head_dim, int64_t block_size, int64_t item_size) {
+                      int64_t head_dim, int64_t block_size, int32_t dtype, int32_t kv_dtype) {
+    const int64_t item = dtype == DTYPE_F32 ? 4 : 2, kv_item = kv_dtype == DTYPE_F32 ? 4 : 2;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         const int64_t row = (slot / block_size) * stride_block + (slot % block_size) * stride_slot;
         for (int64_t h = 0; h < heads; h++) {
-            const int64_t dst = (row + h * stride_head) * item_size;
-            memcpy((char *)k_cache + dst,
-                   (const char *)key + (t * key_stride_t + h * key_stride_h) * item_size,
-                   head_dim * item_size);
-            memcpy((char *)v_cache + dst,
-                   (const char *)value + (t * value_stride_t + h * value_stride_h) * item_size,
-                   head_dim * item_size);
+            const int64_t dst = (row + h * stride_head) * kv_item;
+            store_row((char *)k_cache + dst,
+                      (const char *)key + (t * key_stride_t + h * key_stride_h) * item, head_dim,
+                      dtype, kv_dtype);
+            store_row((char *)v_cache + dst,
+                      (const char *)value + (t * value_stride_t + h * value_stride_h) * item,
+                      head_dim, dtype, kv_dtype);
         }
     }
 }

@@ -44,8 +44,8 @@ def bind_step(
     invariant: bool = True,
 ) -> StepOps:
     """The kernels of one step over ``kv_pool [N, L, 2, block_size, H_kv, D]`` (the model's
-    dtype, or int8 with scales: ``kernels.kv_layout``) for all its layers, on ``backend``
-    (None: the environment's choice, else ``"auto"``); invariant ones
+    dtype, bf16 under fp32, or int8 with scales: ``kernels.kv_layout``) for all its layers,
+    on ``backend`` (None: the environment's choice, else ``"auto"``); invariant ones
     (``kernels.invariance``) unless ``invariant`` is False.
 
     ``batch``'s value ranges must have been checked against the pool (the model does,

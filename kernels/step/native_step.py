@@ -111,7 +111,8 @@ class NativeStep(StepOps):
         block_size = self.kv_pool.shape[3]
         caches = (self._caches(layer), self._cache_strides)
         if self._scales is None:
-            launch_write_kv(self._lib, key, value, *caches, self._slots, block_size)
+            kv_dtype = self.kv_pool.dtype
+            launch_write_kv(self._lib, key, value, *caches, self._slots, block_size, kv_dtype)
             return
         scales = self._layer_scales(layer)
         launch_write_kv_int8(self._lib, key, value, *caches, scales, self._slots, block_size)

@@ -17,7 +17,7 @@ Contract with the caller (the model): the batch's value ranges (slots, block ids
 context lengths) were checked against the pool, and per layer it passes tensors of
 the shapes the step was bound for: ``x`` / ``gate_up`` 2-D, ``query`` / ``key`` /
 ``value`` 3-D with unit stride on the last axis, in the step's dtype (the pool's, or the
-model's over an int8 pool: ``StepDims.dtype``). Each call
+model's over a narrower pool: ``StepDims.dtype``). Each call
 checks row counts and layer ids, which keep a wrong call from addressing memory
 outside its tensors through the step's index tensors.
 """
@@ -28,7 +28,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.kv_layout import LayerKV, is_quantized, layer_kv, layer_views, num_layers
+from kernels.kv_layout import LayerKV, holds, layer_kv, layer_views, num_layers
 from kernels.validate import check_index
 
 
@@ -49,8 +49,8 @@ class StepDims(NamedTuple):
     num_q_heads: int
     scale: float  # the attention's softmax scale
     eps: float  # RMSNorm's
-    # What the model computes in: the pool's dtype, unless the pool holds int8 KV
-    # (kernels/kv_layout.py). None: the pool's.
+    # What the model computes in: the pool's dtype, unless the pool holds int8 KV or
+    # bf16 KV of an fp32 model (kernels/kv_layout.py). None: the pool's.
     dtype: torch.dtype | None = None
 
 
@@ -66,7 +66,7 @@ class StepOps:
         if kv_pool.dim() != 6 or kv_pool.shape[2] != 2 or kv_pool.stride(5) != 1:
             raise ValueError("kv_pool must be [N, L, 2, block_size, H_kv, D], unit stride on D")
         dtype = dims.dtype or kv_pool.dtype
-        if kv_pool.dtype != dtype and not is_quantized(kv_pool.dtype):
+        if not holds(kv_pool.dtype, dtype):
             raise ValueError(f"a {dtype} step over a {kv_pool.dtype} pool")
         num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
         if dims.num_q_heads % num_kv_heads:

@@ -6,9 +6,9 @@ attention's plan are built here once for all layers. In invariant steps (the def
 ``kernels.invariance``) the plan is the fixed-shape span tasks of
 ``kernels.span_metadata``; otherwise the padded SDPA groups of
 ``kernels.extend_metadata`` (a decode is the step whose sequences all have one new
-token: the groups then hold decodes only, with one key mask per sequence). An int8 pool
-(``kernels.kv_layout``) takes the span tasks in either mode: they dequantize what they
-gather, the groups read float caches.
+token: the groups then hold decodes only, with one key mask per sequence). A pool
+narrower than the model (int8, or bf16 under fp32: ``kernels.kv_layout``) takes the span
+tasks in either mode: they widen what they gather, the groups read the model's dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from kernels.backend import KernelChoice
 from kernels.extend_attention import attend_groups
 from kernels.extend_metadata import ExtendMetadata, extend_metadata
-from kernels.kv_layout import is_quantized
+from kernels.kv_layout import is_narrowed
 from kernels.rms_norm import rms_norm_torch
 from kernels.rope import apply_rope_torch
 from kernels.span_attention import attend_spans
@@ -42,7 +42,8 @@ class TorchStep(StepOps):
         group = dims.num_q_heads // num_kv_heads
         tables, starts, lens = batch.block_tables, batch.query_start_loc, batch.context_lens
         self.metadata: ExtendMetadata | SpanMetadata
-        if choice.invariant or is_quantized(kv_pool.dtype):  # the groups read float caches
+        # The groups read caches of the model's dtype; the span tasks widen narrower ones.
+        if choice.invariant or is_narrowed(kv_pool.dtype, dims.dtype or kv_pool.dtype):
             self.metadata = span_metadata(tables, starts, lens, kv_pool.shape[3], group)
         else:
             row_bytes = num_kv_heads * head_dim * kv_pool.element_size()

@@ -44,8 +44,8 @@ class PagedCase:
     v_cache: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with -1
     context_lens: torch.Tensor  # [B] int32
-    keys: list[torch.Tensor]  # per sequence [len, H_kv, D], dense (as the cache holds them;
-    # int8: dequantized, in fp32, which holds every q * scale exactly)
+    keys: list[torch.Tensor]  # per sequence [len, H_kv, D], dense (as the cache holds them,
+    # in the queries' dtype; int8: dequantized, in fp32, which holds every q * scale exactly)
     values: list[torch.Tensor]
     scales: KVScales | None = None  # an int8 cache's
     raw_keys: list[torch.Tensor] | None = None  # an int8 case's K/V before quantization
@@ -106,8 +106,10 @@ def make_paged_case(
             v_cache[blocks, pos % block_size], scales.v[blocks, pos % block_size] = qv, sv
             k, v = dequantize_rows(qk, sk), dequantize_rows(qv, sv)  # fp32: exact
         else:
-            k_cache[blocks, pos % block_size] = k
-            v_cache[blocks, pos % block_size] = v
+            k_cache[blocks, pos % block_size] = k.to(pool.dtype)
+            v_cache[blocks, pos % block_size] = v.to(pool.dtype)
+            # A bf16 pool under fp32 queries: what it holds, widened back (else a no-op).
+            k, v = k.to(pool.dtype).to(dtype), v.to(pool.dtype).to(dtype)
         keys.append(k)
         values.append(v)
     lens_tensor = torch.tensor(lens, dtype=torch.int32)

@@ -50,8 +50,10 @@ def _run(case, query, starts, seqs, lib=None, out=None):
     return out
 
 
-def _check(lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=None):
-    case = make_paged_case(lens, block_size, num_kv_heads, head_dim, dtype)
+def _check(
+    lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=None, kv_dtype=None
+):
+    case = make_paged_case(lens, block_size, num_kv_heads, head_dim, dtype, kv_dtype=kv_dtype)
     query, starts = extend_inputs(case, q_lens, num_kv_heads * group)
     out = _run(case, query, starts, list(range(len(lens))), lib)
     assert_close(out, extend_oracle(case, query, q_lens), dtype)
@@ -194,6 +196,8 @@ def test_the_paths_of_other_cpus_match_the_oracle(without, dtype, variant_librar
     _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)
     _check([900], [5], 16, 1, 4, 128, dtype, lib)
     check_int8([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, dtype, lib)  # the same loops, int8 KV
+    # bf16 KV under fp32 queries (CHATSVC_KV_DTYPE=bf16): the same loops again.
+    _check([1, 40, 300], [1, 6, 2], 8, 2, 3, 64, torch.float32, lib, torch.bfloat16)
 
 
 def _shared_prefix_case(dtype):

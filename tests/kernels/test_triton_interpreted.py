@@ -1,5 +1,6 @@
 """Runs ``triton_checks.py`` (Triton kernels vs the references), ``triton_span_checks.py``
-(the invariant kernels) and ``triton_checks_kv_int8.py`` (int8 KV) in one subprocess.
+(the invariant kernels), ``triton_checks_kv_int8.py`` (int8 KV) and
+``triton_checks_kv_bf16.py`` (bf16 KV under fp32) in one subprocess.
 
 Triton binds its interpreter when it is first imported, and the rest of the
 suite (the engine tests) must keep the torch path on CPU, so the comparisons
@@ -15,7 +16,12 @@ from pathlib import Path
 
 CHECKS = [
     Path(__file__).with_name(name)
-    for name in ("triton_checks.py", "triton_span_checks.py", "triton_checks_kv_int8.py")
+    for name in (
+        "triton_checks.py",
+        "triton_span_checks.py",
+        "triton_checks_kv_int8.py",
+        "triton_checks_kv_bf16.py",
+    )
 ]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
