@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 # (tests/engine/test_model_linear.py holds them equal).
 WEIGHT_DTYPES = ("auto", "bf16", "int8", "fp32")
 # kernels.kv_layout.KV_DTYPES, likewise (tests/engine/test_engine_config.py).
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ("auto", "bf16", "int8")
 
 ENV_PREFIX = "CHATSVC_"
 # The default pool: as many blocks as this many bytes hold in bf16, in every float dtype,
@@ -67,9 +67,10 @@ class EngineConfig:
     KV pool size: ``num_gpu_blocks`` when set, else ``kv_cache_bytes`` divided by the
     bytes of one block (all layers, K and V, in ``kv_dtype``); ``kv_cache_bytes`` None: the
     blocks ``DEFAULT_KV_CACHE_BYTES`` holds in bf16, whatever the float dtype, or in int8
-    with int8 KV. ``kv_dtype``: "auto" (the model's dtype) or "int8" (rows with a scale per
-    token and KV head, ``kernels.kv_layout``; read by every backend, Triton through its
-    invariant kernel only).
+    with int8 KV. ``kv_dtype``: "auto" (the model's dtype), "bf16" (an fp32 model's K/V
+    rounded to bf16: half the bytes a step reads, twice the blocks) or "int8" (rows with a
+    scale per token and KV head, ``kernels.kv_layout``); a cache narrower than the model
+    is read by every backend, Triton through its invariant kernel only.
     ``num_host_blocks`` sizes the host tier that evicted prefix blocks move to
     (``host_blocks_for``). ``max_model_len``
     caps the context (default: the model's own limit). ``debug_checks`` runs the cache's integrity
@@ -93,7 +94,7 @@ class EngineConfig:
     # answer is the same whatever the cache held and whatever was batched beside it
     # (kernels/invariance.py); False: the fastest kernels for each step's shape.
     invariant: bool = True
-    # What the KV cache stores (KV_DTYPES): "auto" = the model's dtype, "int8".
+    # What the KV cache stores (KV_DTYPES): "auto" = the model's dtype, "bf16", "int8".
     kv_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16

@@ -76,7 +76,7 @@ from chatsvc.protocol import (
 )
 from kernels.backend import choose_kernels, resolve_backend
 from kernels.cpu import native
-from kernels.kv_layout import dtype_name, is_quantized, kv_dtype_for
+from kernels.kv_layout import dtype_name, is_narrowed, is_quantized, kv_dtype_for
 
 log = logging.getLogger(__name__)
 # A step that computed nothing while loads are in flight sleeps on them this long at
@@ -143,9 +143,10 @@ class LLMEngine:
         limit = config.max_model_len or loaded.config.max_context_len
         self.max_context_len = min(limit, self.model.max_positions)
         shape = self.model.kv_shape(config.block_size)
-        # What the pool stores: the model's dtype, or int8 rows with scales (kv_layout).
+        # What the pool stores: the model's dtype, bf16 for an fp32 model, or int8 rows
+        # with scales (kv_layout).
         self.kv_dtype = kv_dtype_for(config.kv_dtype, self.model.dtype)
-        if is_quantized(self.kv_dtype):  # refused now where no attention kernel reads it
+        if is_narrowed(self.kv_dtype, self.model.dtype):  # refused now where no kernel reads it
             device, dtype, invariant = self.model.device, self.model.dtype, config.invariant
             choose_kernels(device, dtype, shape.head_dim, None, invariant, self.kv_dtype)
         unit = self.kv_dtype if is_quantized(self.kv_dtype) else torch.bfloat16

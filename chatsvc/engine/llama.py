@@ -29,7 +29,7 @@ from chatsvc.engine.layers import RotaryTables
 from chatsvc.engine.model_config import ModelConfig
 from chatsvc.engine.weights import ModelWeights
 from kernels.cpu.decoder import LayerWeights, decoder_weights
-from kernels.kv_layout import QUANT_DTYPE, KVShape, scale_layers_for
+from kernels.kv_layout import KVShape, holds, scale_layers_for
 from kernels.linear import LINEARS, choose_layout, exact_in_bf16
 from kernels.step.bind import StepDims, StepOps, bind_step
 from kernels.weight_pages import on_huge_pages
@@ -135,16 +135,16 @@ class LlamaModel:
 
     def kv_shape(self, block_size: int) -> KVShape:
         """The KV pool shape this model needs for a given block size (a pool of it holds
-        K/V in the model's dtype or int8: ``kernels.kv_layout``)."""
+        K/V in the model's dtype, int8, or bf16 for fp32: ``kernels.kv_layout``)."""
         c = self.config
         return KVShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim)
 
     def _check(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> None:
         c = self.config
-        if kv_pool.dtype not in (self.dtype, QUANT_DTYPE) or kv_pool.device != self.device:
+        if not holds(kv_pool.dtype, self.dtype) or kv_pool.device != self.device:
             raise ValueError(
-                f"kv_pool is {kv_pool.dtype} on {kv_pool.device}; "
-                f"the model is {self.dtype} on {self.device} (KV in that dtype or int8)"
+                f"kv_pool is {kv_pool.dtype} on {kv_pool.device}; the model is {self.dtype} "
+                f"on {self.device} (KV in that dtype, int8, or bf16 for fp32)"
             )
         layers = c.num_layers + scale_layers_for(c.num_layers, c.head_dim, kv_pool.dtype)
         if kv_pool.dim() != 6 or tuple(kv_pool.shape[1:3]) != (layers, 2):

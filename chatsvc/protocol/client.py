@@ -119,7 +119,7 @@ class EngineInfo:
     num_host_blocks: int
     block_size: int
     max_context_len: int
-    kv_dtype: str = ""  # what the KV pool stores: the model's dtype or "int8"
+    kv_dtype: str = ""  # what the KV pool stores: the model's dtype, "bfloat16" or "int8"
 
 
 @runtime_checkable

@@ -69,7 +69,9 @@ def native_model(request) -> LlamaModel:
     return load_model("smollm2", dtype=dtype, weight_dtype=weight_dtype).model
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["kv-model-dtype", "kv-int8"])
+@pytest.mark.parametrize(
+    "kv_dtype", [None, torch.bfloat16, torch.int8], ids=["kv-model-dtype", "kv-bf16", "kv-int8"]
+)
 def test_the_layers_in_one_call_write_and_answer_the_loops_bits(
     native_model, kv_dtype, paged_driver, monkeypatch
 ):

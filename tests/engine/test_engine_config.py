@@ -92,6 +92,32 @@ def test_int8_kv_holds_about_twice_the_blocks_in_the_same_bytes(smollm2_fp32):
         EngineConfig.from_env({"CHATSVC_KV_DTYPE": "fp8"})
 
 
+def test_bf16_kv_under_an_fp32_model_holds_the_default_blocks_in_half_the_bytes(
+    smollm2_fp32, monkeypatch
+):
+    import torch
+
+    from chatsvc.engine.engine import LLMEngine
+
+    assert EngineConfig.from_env({"CHATSVC_KV_DTYPE": "bf16"}).kv_dtype == "bf16"
+    floats = LLMEngine(EngineConfig(dtype="fp32"), smollm2_fp32)
+    engine = LLMEngine(EngineConfig(dtype="fp32", kv_dtype="bf16"), smollm2_fp32)
+    stats, pool = engine.cache_stats(), engine.runner.kv_pool
+    assert stats["kv_dtype"] == "bfloat16" and pool.dtype == torch.bfloat16
+    # The default pool: the same blocks, half the bytes.
+    assert stats["device"]["total"] == floats.cache_stats()["device"]["total"]
+    assert 2 * pool.nbytes == floats.runner.kv_pool.nbytes
+    # Bytes given: twice the blocks of fp32 KV.
+    block = smollm2_fp32.model.kv_shape(16).block_bytes(torch.float32)
+    given = {"dtype": "fp32", "kv_cache_bytes": 40 * block}
+    assert LLMEngine(EngineConfig(**given), smollm2_fp32).num_gpu_blocks == 40
+    assert LLMEngine(EngineConfig(**given, kv_dtype="bf16"), smollm2_fp32).num_gpu_blocks == 80
+    monkeypatch.setenv("CHATSVC_KERNEL_BACKEND", "triton")  # off CUDA: the interpreter's
+    with pytest.raises(ValueError, match="invariant kernels only"):
+        config = EngineConfig(dtype="fp32", kv_dtype="bf16", num_gpu_blocks=8, invariant=False)
+        LLMEngine(config, smollm2_fp32)
+
+
 def test_an_int8_kv_engine_names_its_dtype_and_refuses_kernels_that_cannot_read_it(
     smollm2_fp32, monkeypatch
 ):

@@ -196,7 +196,8 @@ prompts = st.fixed_dictionaries(
 
 
 # (model dtype, backend, KV dtype, examples): int8 KV (kernels/kv_layout.py) under the
-# bf16 model the CPU runs by default where it has native bf16, with fewer examples.
+# bf16 model the CPU runs by default where it has native bf16, and bf16 KV under the fp32
+# model, with fewer examples.
 MODES = [
     ("fp32", "native", "auto", 6),
     ("bf16", "native", "auto", 6),
@@ -204,6 +205,8 @@ MODES = [
     ("bf16", "torch", "auto", 6),
     ("bf16", "native", "int8", 4),
     ("bf16", "torch", "int8", 3),
+    ("fp32", "native", "bf16", 3),
+    ("fp32", "torch", "bf16", 3),
 ]
 
 

@@ -547,23 +547,26 @@ def test_sessions_returning_together_prefill_in_one_step_after_their_loads(smoll
     }
 
 
-def test_int8_kv_restarts_warm_and_never_meets_float_kv_on_disk(smollm2_fp32, tmp_path):
-    """The KV dtype is part of the fingerprint: an int8-KV engine's blocks come back to an
-    int8-KV engine after a restart (its rows and scales: the same greedy tokens as the
-    int8 engine that computed them), and an engine with KV in the model dtype on the
-    same directory finds none of them (nor they its)."""
-    int8 = config(tmp_path, kv_dtype="int8")
-    with engine_on(smollm2_fp32, int8) as first:
-        assert first.cache_stats()["kv_dtype"] == "int8"
+@pytest.mark.parametrize(("kv_dtype", "name"), [("int8", "int8"), ("bf16", "bfloat16")])
+def test_narrower_kv_restarts_warm_and_never_meets_model_dtype_kv_on_disk(
+    smollm2_fp32, tmp_path, kv_dtype, name
+):
+    """The KV dtype is part of the fingerprint: an int8-KV (or bf16-KV) engine's blocks
+    come back to such an engine after a restart (an int8 block's rows and scales: the
+    same greedy tokens as the engine that computed them), and an engine with KV in the
+    model dtype (fp32) on the same directory finds none of them (nor they its)."""
+    narrow = config(tmp_path, kv_dtype=kv_dtype)
+    with engine_on(smollm2_fp32, narrow) as first:
+        assert first.cache_stats()["kv_dtype"] == name
         outputs, _, history = converse(first, 1)
         computed = converse.computed
-        int8_dir = first.disk_tier.directory.path
+        narrow_dir = first.disk_tier.directory.path
         expected, _, _ = converse(first, 1, history, start=1)
     with engine_on(smollm2_fp32, config(tmp_path)) as floats:
-        assert floats.disk_tier.num_found == 0 and floats.disk_tier.directory.path != int8_dir
+        assert floats.disk_tier.num_found == 0 and floats.disk_tier.directory.path != narrow_dir
         _, metrics, _ = converse(floats, 1, history, start=1)
         assert metrics[0].cached_tokens_by_tier["disk"] == 0
-    with engine_on(smollm2_fp32, int8) as second:
+    with engine_on(smollm2_fp32, narrow) as second:
         assert second.disk_tier.num_found >= computed // 16
         again, metrics, _ = converse(second, 1, history, start=1)
         assert metrics[0].cached_tokens_by_tier["disk"] >= computed // 16 * 16

@@ -83,9 +83,11 @@ def model_fingerprint(
     if loaded.model.weight_layout == "int8_blocks":
         # int8 weights first summed over x as it was (weight-only): other bits, other files.
         identity["activation_group"] = ACTIVATION_GROUP
-    if is_quantized(kv_dtype):
-        # Only when set, so the fingerprints of float KV (and their files) stay as they were.
+    if kv_dtype != dtype:
+        # Only when set, so the fingerprints of KV in the model's dtype (and their files)
+        # stay as they were.
         identity["kv_dtype"] = str(kv_dtype)
+    if is_quantized(kv_dtype):
         identity["kv_scales"] = SCALE_LAYOUT
     blob = json.dumps(identity, sort_keys=True, default=str).encode()
     return xxhash.xxh3_128_digest(blob)
