@@ -1,5 +1,5 @@
-"""What an int8 KV cache costs in quality (``CHATSVC_KV_DTYPE=int8``) against KV in the
-model's dtype.
+"""What a narrower KV cache costs in quality (``CHATSVC_KV_DTYPE=int8``, and ``=bf16`` under
+an fp32 model) against KV in the model's dtype.
 
     .venv/bin/python -m bench.kv_quality [--dtype bf16|fp32] [--window 512]
         [--answer-tokens 32] [--prompts 80]
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = ids[: args.max_tokens] if args.max_tokens else ids
     prompts = first_turns(args.prompts)
     rows = {}
-    for kv_dtype in ("auto", "int8"):
+    narrower = ("bf16", "int8") if loaded.model.dtype == torch.float32 else ("int8",)
+    for kv_dtype in ("auto", *narrower):
         ppl = perplexity(loaded, ids, args.window, kv_dtype)
         rows[kv_dtype] = (ppl, greedy_answers(loaded, prompts, args.answer_tokens, kv_dtype))
     model_dtype = dtype_name(loaded.model.dtype)
@@ -167,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| (the model in {other}, its own KV) | | | {same}/{len(answers)} "
             f"| {sum(prefix) / len(prefix):.1f} |"
         )
-    ratio = rows["int8"][0] / base_ppl
-    print(
-        f"int8 / {model_dtype} perplexity {ratio:.4f}: gate (within 1 %) "
-        f"{'holds' if ratio <= 1.01 else 'fails'}"
-    )
+    for kv_dtype in narrower:
+        ratio = rows[kv_dtype][0] / base_ppl
+        print(
+            f"{kv_dtype} / {model_dtype} perplexity {ratio:.4f}: gate (within 1 %) "
+            f"{'holds' if ratio <= 1.01 else 'fails'}"
+        )
     return 0
 
 

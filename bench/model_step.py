@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.model_step [--model smollm2] [--dtype bf16|fp32] [--batches 1,8]
         [--steps 30] [--compare-backends] [--weight-dtypes onednn,fp32,bf16,int8]
-        [--compare-invariant]
+        [--kv-dtypes auto,bf16,int8] [--compare-invariant]
 
 For each batch size B: one decode step (B sequences, one new token each, after a
 prompt of --context tokens) of our LlamaModel over the paged KV pool, with plain
@@ -25,6 +25,9 @@ first step of each run, which follows the 512 MiB sum or another model's steps w
 nothing of its own left in the caches. Then each model's speed against the first one
 listed, from the same rounds. ``--model random:qwen2.5-0.5b`` (a shape with seeded
 random weights) reads 0.5-2 GB a step, so no cache holds a step's weights till the next.
+``--kv-dtypes`` (``CHATSVC_KV_DTYPE``'s names) times each of those models over a KV pool
+of each dtype (default: the model's own); a long ``--context`` makes the K/V a large part
+of what a step reads.
 
 ``--compare-invariant`` times the default model twice, with invariant kernels (the
 default, ``kernels.invariance``) and with the fastest kernels per step shape
@@ -47,7 +50,7 @@ from chatsvc.engine.loader import LoadedModel, load_model
 from kernels.backend import ENV_VAR
 from kernels.cpu.narrow_linear import NarrowWeight
 from kernels.cpu.tile_linear import TileWeight
-from kernels.kv_layout import new_kv_pool
+from kernels.kv_layout import kv_dtype_for, new_kv_pool
 from kernels.linear import can_prepack
 
 BLOCK_SIZE = 16
@@ -92,11 +95,15 @@ def _prompts(batch: int, length: int) -> torch.Tensor:
     return torch.randint(100, 40000, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
-def ours_decode(loaded: LoadedModel, batch: int, context: int) -> Callable[[], object]:
-    """A decode step at a fixed position (re-run: the context length stays the same)."""
+def ours_decode(
+    loaded: LoadedModel, batch: int, context: int, kv_dtype: str = "auto"
+) -> Callable[[], object]:
+    """A decode step at a fixed position (re-run: the context length stays the same), over
+    a pool of ``kv_dtype`` (``CHATSVC_KV_DTYPE``'s names)."""
     model, bs = loaded.model, BLOCK_SIZE
     blocks_per_seq = context // bs + 1
-    pool = new_kv_pool(batch * blocks_per_seq, model.kv_shape(bs), model.dtype, "cpu")
+    dtype = kv_dtype_for(kv_dtype, model.dtype)
+    pool = new_kv_pool(batch * blocks_per_seq, model.kv_shape(bs), dtype, "cpu")
     tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
 
     def slots(b: int, start: int, end: int) -> list[int]:
@@ -178,17 +185,17 @@ def matrix_bytes(weight) -> int:
     return n * k * weight.element_size()
 
 
-def decode_bytes(loaded: LoadedModel, batch: int, context: int) -> int:
+def decode_bytes(loaded: LoadedModel, batch: int, context: int, kv_dtype: str = "auto") -> int:
     """What one decode step must read from memory: every matrix once (the lm head
-    included) and each sequence's K and V over its context (norms and the B embedding
-    rows are a rounding error)."""
+    included) and each sequence's K and V over its context in ``kv_dtype`` (an int8
+    pool's scales included; norms and the B embedding rows are a rounding error)."""
     model = loaded.model
     matrices = [model._lm_head]
     for layer in model.weights.layers:
         matrices += [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight]
-    c = model.config
-    kv = batch * (context + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim
-    return sum(matrix_bytes(m) for m in matrices) + kv * model.dtype.itemsize
+    block = model.kv_shape(BLOCK_SIZE).block_bytes(kv_dtype_for(kv_dtype, model.dtype))
+    kv = batch * (context + 1) * block // BLOCK_SIZE
+    return sum(matrix_bytes(m) for m in matrices) + kv
 
 
 BANDWIDTH_BYTES = 512 * 2**20
@@ -278,6 +285,12 @@ def main() -> None:
         help="comma-separated weight dtypes of an fp32 model (fp32,bf16,int8; onednn: fp32 "
         "in oneDNN's layout): one model "
         "each, with the bytes a decode step reads and the bandwidth floor",
+    )
+    parser.add_argument(
+        "--kv-dtypes",
+        default="auto",
+        help="with --weight-dtypes: comma-separated KV dtypes (auto,bf16,int8), each model "
+        "timed over a pool of each",
     )
     args = parser.parse_args()
     if args.threads:
@@ -383,21 +396,25 @@ RUN = 8
 
 
 def weight_dtypes_main(args) -> None:
-    """One model per weight dtype, decode steps beside the memory read that bounds them."""
-    models = {}
+    """One model per weight dtype (over a pool of each KV dtype), decode steps beside the
+    memory read that bounds them."""
+    models, kv_dtypes = {}, args.kv_dtypes.split(",")
     for weight_dtype in args.weight_dtypes.split(","):
         if weight_dtype == "onednn":
             loaded = load_model(args.model, dtype=args.dtype, prepack_weights="onednn")
         else:
             loaded = load_model(args.model, dtype=args.dtype, weight_dtype=weight_dtype)
-        models[f"{weight_dtype} ({loaded.model.weight_layout})"] = loaded
-    first = next(iter(models.values()))
+        for kv_dtype in kv_dtypes:
+            kv = "" if kv_dtypes == ["auto"] else f" KV {kv_dtype}"
+            short = f"{weight_dtype}{kv}"
+            models[f"{weight_dtype} ({loaded.model.weight_layout}){kv}"] = (loaded, kv_dtype, short)
+    first = next(iter(models.values()))[0]
     print(
         f"model {first.name}, dtype {first.model.dtype}, threads {torch.get_num_threads()}; "
         f"read bandwidth: a sum over {BANDWIDTH_BYTES >> 20} MiB, interleaved with the steps"
     )
     for batch in (int(b) for b in args.batches.split(",")):
-        fns = {name: ours_decode(loaded, batch, args.context) for name, loaded in models.items()}
+        fns = {n: ours_decode(m[0], batch, args.context, m[1]) for n, m in models.items()}
         fns["memory read"] = read_memory()
         ms, first = interleaved_runs(fns, max(3, args.steps // RUN), RUN)
         first.pop("memory read")
@@ -407,19 +424,21 @@ def weight_dtypes_main(args) -> None:
             f"(steps in runs of {RUN}; the first of a run apart):"
         )
         for name, t in ms.items():
-            nbytes = decode_bytes(models[name], batch, args.context)
+            loaded, kv_dtype, _ = models[name]
+            nbytes = decode_bytes(loaded, batch, args.context, kv_dtype)
             floor = nbytes / bandwidth * 1e3
             print(
-                f"  {name:<22} {t:6.1f} ms ({batch / t * 1e3:6.1f} tok/s)  reads "
+                f"  {name:<30} {t:6.1f} ms ({batch / t * 1e3:6.1f} tok/s)  reads "
                 f"{nbytes / 1e6:5.0f} MB = {nbytes / t / 1e6:4.1f} GB/s; "
                 f"floor {floor:5.1f} ms, step/floor {t / floor:.2f}x; "
                 f"first of a run {first[name]:5.1f} ms ({first[name] / floor:.2f}x)"
             )
         base_name, base = next(iter(ms.items()))
-        speeds = ", ".join(f"{name.split()[0]} {base / t:.2f}x" for name, t in ms.items())
+        speeds = ", ".join(f"{models[name][2]} {base / t:.2f}x" for name, t in ms.items())
         print(f"  speed against {base_name}: {speeds}")
     if args.prefill:
-        fns = {name: ours_prefill(loaded, args.prefill) for name, loaded in models.items()}
+        loads = {name.split(" KV")[0]: m[0] for name, m in models.items()}  # K/V read once
+        fns = {name: ours_prefill(loaded, args.prefill) for name, loaded in loads.items()}
         ms = interleaved_medians(fns, max(3, args.steps // 6))
         rates = (f"{n} {t:6.1f} ms ({args.prefill / t * 1e3:5.0f} tok/s)" for n, t in ms.items())
         print(f"prefill {args.prefill} tokens: " + " | ".join(rates))

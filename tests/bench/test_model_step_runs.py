@@ -60,3 +60,26 @@ def test_weight_dtypes_take_another_model_shape(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.startswith("model random:tiny-llama, dtype torch.float32")
     assert "reads    13 MB" in out and "reads     7 MB" in out
+
+
+def test_kv_dtypes_time_each_model_over_a_pool_of_each(monkeypatch, capsys):
+    """``--kv-dtypes``: one row per (weight dtype, KV dtype), the K/V's bytes in the pool's
+    dtype (tiny-llama: 2 layers x K and V x 2 heads x 16 dims, 512 bytes a token in fp32;
+    two sequences of 2,048 tokens: 2.1 MB fp32, 1.0 MB bf16)."""
+    monkeypatch.setattr("bench.model_step.BANDWIDTH_BYTES", 32 << 20)
+    monkeypatch.setattr("bench.model_step.RUN", 2)
+    argv = ["model_step", "--model", "random:tiny-llama", "--dtype", "fp32", "--prefill", "0"]
+    argv += ["--weight-dtypes", "fp32", "--kv-dtypes", "auto,bf16", "--batches", "2"]
+    argv += ["--steps", "2", "--context", "2047"]
+    monkeypatch.setattr("sys.argv", argv)
+    main()
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if " reads " in line]
+    assert [row.split()[:4] for row in rows] == [
+        ["fp32", "(fp32_blocks)", "KV", "auto"],
+        ["fp32", "(fp32_blocks)", "KV", "bf16"],
+    ]
+    megabytes = [float(row.split(" reads ")[1].split()[0]) for row in rows]
+    assert megabytes[0] - megabytes[1] in (1, 2)  # 1.05 MB less, in whole MB as printed
+    line = next(line for line in out.splitlines() if "speed against" in line)
+    assert line.split(": ", 1)[1].startswith("fp32 KV auto 1.00x, fp32 KV bf16 ")
