@@ -9,8 +9,8 @@ same computation over a pool of each KV dtype, and two things are compared:
 
 - perplexity of ``tests/data/coriolanus.txt`` (the opening of Shakespeare's Coriolanus,
   public domain), scored in windows of ``--window`` tokens, each a prefill from its own
-  start (every layer's attention reads the window's K/V back from the pool, so int8 K/V
-  are what it sees);
+  start (every layer's attention reads the window's K/V back from the pool, so the
+  narrower K/V are what it sees);
 - greedy agreement over the first ``--answer-tokens`` of the first turns of
   ``bench/data/chat_turns.jsonl`` (80 chat openers written for this project; no public
   prompt set ships with the repository): all prompts prefilled in one step, then decoded
