@@ -243,8 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--turn-lock-ttl-s",
         type=int,
         default=30,
-        help="the service's turn lock TTL: how long a killed turn's lock holds its session "
-        "(default 30, the service's own)",
+        help="the service's turn lock TTL (default 30, the service's own); a killed turn's "
+        "lock is taken over sooner, once the killed instance's presence key lapses",
     )
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary dir")
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ from chatsvc.store.connection import unavailable_on_failure
 from chatsvc.store.errors import StorageQuotaError
 from chatsvc.store.keys import Keys
 from chatsvc.store.path_page import PageReader
+from chatsvc.store.presence import ALIVE_TTL_S, Presence
 
 # A conflict means another writer changed what a WATCH guards between our read
 # and our write; with the turn lock held that is rare, so a few retries are plenty.
@@ -33,7 +34,8 @@ class StoreContext:
 
     ``session_ttl_s``: idle sessions expire this long after their last use
     (None: never). ``lock_ttl_s``: a turn lock whose holder died frees itself
-    after this long. ``scripts.quotas``: the byte quotas every write is held to.
+    after this long, or sooner once its instance's presence key lapses (``presence``:
+    this instance's). ``scripts.quotas``: the byte quotas every write is held to.
     """
 
     redis: aredis.Redis
@@ -44,6 +46,7 @@ class StoreContext:
     scripts: CommitScripts
     reader: BranchReader
     pager: PageReader
+    presence: Presence
 
     @classmethod
     def over(
@@ -73,6 +76,7 @@ class StoreContext:
             scripts=CommitScripts(client, quotas),
             reader=BranchReader(client),
             pager=PageReader(client),
+            presence=Presence(client, keys, min(lock_ttl_s, ALIVE_TTL_S)),
         )
 
     def quota_error(self, outcome: str) -> StorageQuotaError:

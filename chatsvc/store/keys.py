@@ -4,6 +4,8 @@ Layout (``p`` = prefix, schema version 6):
 
     p:schema_version                 string  newest applied migration number
     p:migration_lock                 string  held while migrations run
+    p:instance:<iid>:alive           string  present while store instance <iid> runs
+                                             (presence.py: its turn locks' holder)
     p:meta                           hash    created_at, layout (written by migration 0001)
     p:tenants                        hash    tenant name -> tenant id (names are identities)
     p:tenant:<tid>                   string  TenantRecord
@@ -61,6 +63,9 @@ class Keys:
 
     def migration_lock(self) -> str:
         return f"{self.prefix}:migration_lock"
+
+    def instance_alive(self, instance_id: str) -> str:
+        return f"{self.prefix}:instance:{instance_id}:alive"
 
     def meta(self) -> str:
         return f"{self.prefix}:meta"

@@ -2,7 +2,10 @@
 
 The expiry means a holder that dies never blocks the key for longer than the
 TTL; the random token means a holder whose lock already expired cannot release
-or extend the lock someone else took since.
+or extend the lock someone else took since. A lock made with a ``Presence`` puts its
+instance's id in the token, ``<instance id>:<random>``: a lock whose holder's
+instance is gone (its presence key lapsed) is taken over at once instead of after
+the TTL (``presence.py`` says why that is safe).
 """
 
 from __future__ import annotations
@@ -14,11 +17,23 @@ import secrets
 
 import redis.asyncio as aredis
 
+from chatsvc.store.presence import Presence
+
 log = logging.getLogger(__name__)
 
 _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
     return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+# Take the lock over from a holder whose instance is gone: only if it still holds the
+# token seen (nobody took or released it since) and the holder's presence key is absent.
+_TAKE_OVER = """
+if redis.call('get', KEYS[1]) == ARGV[1] and redis.call('exists', KEYS[2]) == 0 then
+    redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
+    return 1
 end
 return 0
 """
@@ -32,25 +47,43 @@ return 0
 
 
 class RedisLock:
-    """One attempt-to-hold of ``key``; create a new object per acquisition."""
+    """One attempt-to-hold of ``key``; create a new object per acquisition. ``presence``:
+    this instance's (``presence.py``), so a holder that is gone can be told from a live one."""
 
-    def __init__(self, client: aredis.Redis, key: str, ttl_s: float) -> None:
+    def __init__(
+        self, client: aredis.Redis, key: str, ttl_s: float, presence: Presence | None = None
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lock ttl must be > 0 seconds, got {ttl_s}")
         self._client = client
         self.key = key
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self.token = secrets.token_hex(16)
+        self._presence = presence
+        random = secrets.token_hex(16)
+        self.token = random if presence is None else f"{presence.instance_id}:{random}"
         self._release = client.register_script(_RELEASE)
         self._extend = client.register_script(_EXTEND)
+        self._take_over = client.register_script(_TAKE_OVER)
 
     async def acquire(self) -> bool:
-        """Take the lock if free; False if someone holds it. Never waits."""
+        """Take the lock if free, or held by an instance that is gone; False if a live
+        holder (or one of unknown instance) has it. Never waits."""
         if await self._client.set(self.key, self.token, nx=True, px=self.ttl_ms):
             return True
+        held = await self._client.get(self.key)
         # A SET whose reply was lost is sent again by redis-py and then finds the
         # key taken, by this very token: that is an acquisition, not a busy lock.
-        return await self._client.get(self.key) == self.token.encode()
+        if held == self.token.encode():
+            return True
+        holder = _instance_of(held)
+        if holder is None or self._presence is None:
+            return False
+        alive = self._presence.key_of(holder)
+        args = [held, self.token, self.ttl_ms]
+        if not await self._take_over(keys=[self.key, alive], args=args):
+            return False
+        log.warning("took over lock %s from instance %s, which is gone", self.key, holder)
+        return True
 
     async def release(self) -> bool:
         """Delete the lock if this object still holds it; False if it had expired."""
@@ -59,6 +92,14 @@ class RedisLock:
     async def extend(self) -> bool:
         """Reset the TTL if this object still holds the lock; False if it was lost."""
         return bool(await self._extend(keys=[self.key], args=[self.token, self.ttl_ms]))
+
+
+def _instance_of(token: bytes | None) -> str | None:
+    """The instance id a lock token names (None: no token, or one made without presence)."""
+    if not token or b":" not in token:
+        return None
+    holder = token.split(b":", 1)[0].decode("ascii", "replace")
+    return holder if holder.isalnum() else None
 
 
 async def _keep_alive(lock: RedisLock) -> None:

@@ -333,7 +333,8 @@ class Sessions:
         tenant's) session and ``SessionBusyError`` if a turn is already running.
         The lock is extended while the block runs, released when it exits (also
         on exceptions), and expires after ``lock_ttl_s`` if this process dies or
-        stalls for that long.
+        stalls for that long; a turn of another instance takes it over sooner, once this
+        instance's presence key has lapsed (``presence.py``).
         """
         check_id("tenant", tenant_id)
         check_id("session", session_id)
@@ -343,7 +344,12 @@ class Sessions:
             # tenant's session.
             if owned(await self._ctx.redis.get(keys.session(session_id)), tenant_id) is None:
                 raise NotFoundError(f"unknown session {session_id!r}")
-            lock = RedisLock(self._ctx.redis, keys.session_lock(session_id), self._ctx.lock_ttl_s)
+            lock = RedisLock(
+                self._ctx.redis,
+                keys.session_lock(session_id),
+                self._ctx.lock_ttl_s,
+                self._ctx.presence,
+            )
             acquired = await lock.acquire()
         if not acquired:
             raise SessionBusyError(f"session {session_id!r} is already running a turn")

@@ -75,9 +75,11 @@ class Store:
 
         ``session_ttl_s``: idle sessions expire this long after their last use
         (None: never). ``lock_ttl_s``: a turn lock whose holder died frees itself
-        after this long. ``max_session_bytes`` / ``max_tenant_bytes``: the most bytes one
-        session / one tenant may store (None: unbounded); a write past either raises
-        ``StorageQuotaError``. Raises ``StoreUnavailableError`` if Redis is unreachable.
+        after this long, or as soon as its instance's presence key lapses (within
+        ``presence.ALIVE_TTL_S``, or ``lock_ttl_s`` if shorter). ``max_session_bytes``
+        / ``max_tenant_bytes``: the most bytes one session / one tenant may store (None:
+        unbounded); a write past either raises ``StorageQuotaError``. Raises
+        ``StoreUnavailableError`` if Redis is unreachable.
         """
         keys = Keys(prefix)
         client = make_client(url, socket_timeout_s=socket_timeout_s, client_name=client_name)
@@ -94,11 +96,14 @@ class Store:
             with unavailable_on_failure(url):
                 await client.ping()
                 await apply_pending(client, keys)
+                await context.presence.start()
         except BaseException:
             await client.aclose()
             raise
         return store
 
     async def close(self) -> None:
-        """Close the connection pool; the store is unusable afterwards."""
+        """Close the connection pool; the store is unusable afterwards (its presence key
+        deleted: a turn lock it still holds is free to take)."""
+        await self.context.presence.stop()
         await self.context.redis.aclose()

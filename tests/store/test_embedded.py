@@ -304,6 +304,7 @@ async def test_a_frozen_server_costs_each_command_three_tries_at_most(tmp_path, 
     with EmbeddedRedis(tmp_path) as server:
         store = await Store.connect(server.url, prefix="p", socket_timeout_s=0.3)
         tenant = await new_tenant(store)
+        await store.context.presence.stop()  # its refreshes would be counted too
         for conn in store.redis.connection_pool._available_connections:
             conn.next_health_check = 0  # as if idle for longer than any check interval
         monkeypatch.setattr(AbstractConnection, "read_response", counted)
