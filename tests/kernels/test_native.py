@@ -50,9 +50,7 @@ def _run(case, query, starts, seqs, lib=None, out=None):
     return out
 
 
-def _check(
-    lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=None, kv_dtype=None
-):
+def _check(lens, q_lens, block_size, num_kv_heads, group, head_dim, dtype, lib=None, kv_dtype=None):
     case = make_paged_case(lens, block_size, num_kv_heads, head_dim, dtype, kv_dtype=kv_dtype)
     query, starts = extend_inputs(case, q_lens, num_kv_heads * group)
     out = _run(case, query, starts, list(range(len(lens))), lib)
