@@ -296,18 +296,24 @@ async def test_a_frozen_server_costs_each_command_three_tries_at_most(tmp_path, 
 
     replies_waited = []
     read_response = AbstractConnection.read_response
+    frozen_socket = []
 
     async def counted(self, *args, **kwargs):
-        replies_waited.append(1)
+        # This server's replies only: services of session fixtures run in other threads
+        # of this process, and their stores' presence refreshes pass here too.
+        if getattr(self, "path", None) in frozen_socket:
+            replies_waited.append(1)
         return await read_response(self, *args, **kwargs)
 
     with EmbeddedRedis(tmp_path) as server:
+        frozen_socket.append(str(server.unix_socket))
         store = await Store.connect(server.url, prefix="p", socket_timeout_s=0.3)
         # Its refreshes would be counted too, and one beside a command would open the pool's
         # second connection (a second due health check): stopped before its first.
         await store.context.presence.stop()
         tenant = await new_tenant(store)
         assert len(store.redis.connection_pool._available_connections) == 1
+        assert store.redis.connection_pool._available_connections[0].path in frozen_socket
         for conn in store.redis.connection_pool._available_connections:
             conn.next_health_check = 0  # as if idle for longer than any check interval
         monkeypatch.setattr(AbstractConnection, "read_response", counted)
@@ -318,7 +324,7 @@ async def test_a_frozen_server_costs_each_command_three_tries_at_most(tmp_path, 
                 with pytest.raises(StoreUnavailableError):
                     # The deadline only keeps a regression from hanging the suite.
                     await asyncio.wait_for(store.tenants.by_name(tenant.name), 120)
-                assert len(replies_waited) <= 3
+                assert 1 <= len(replies_waited) <= 3
         finally:
             os.kill(server.pid, signal.SIGCONT)
         await store.close()
