@@ -28,80 +28,75 @@ def short_presence(monkeypatch):
     monkeypatch.setattr(store_context, "ALIVE_TTL_S", ALIVE_S)
 
 
+@pytest.fixture
+async def stores(redis_server, prefix):
+    """Two instances on one Redis, as two replicas, with turn locks of 30 s."""
+    pair = [await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=30) for _ in "ab"]
+    yield pair
+    for store in pair:
+        await store.close()
+
+
 async def _texts(store: Store, tenant_id: str, session_id: str) -> list[str]:
     return [m.text for m in await store.tree.messages(tenant_id, session_id)]
 
 
 async def test_a_gone_instances_lock_is_taken_over_and_its_commit_refused(
-    short_presence, redis_server, prefix, raw
+    short_presence, stores, raw
 ):
-    gone = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=30)
-    other = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=30)
-    try:
-        tenant = await new_tenant(gone)
-        session = await gone.sessions.create(tenant.id, None, "sys", [1], {})
-        lock_key = gone.keys.session_lock(session.id)
-        # A turn held by `gone`, whose process then stops (no release, no refresh).
-        stale = RedisLock(gone.redis, lock_key, 30, gone.context.presence)
-        assert await stale.acquire()
-        assert stale.token.startswith(gone.context.presence.instance_id + ":")
-        gone.context.presence._task.cancel()
-        with pytest.raises(SessionBusyError):  # its presence key has not lapsed yet
-            async with other.sessions.turn_lock(tenant.id, session.id):
-                pass
-        await asyncio.sleep(ALIVE_S * 1.5)
-        assert await raw.exists(gone.context.presence.key) == 0
-        assert await raw.pttl(lock_key) > 20_000  # the lock itself is far from expiring
-        async with other.sessions.turn_lock(tenant.id, session.id) as fresh:
-            assert await raw.get(lock_key) == fresh.token.encode()
-            with pytest.raises(TurnLockLostError):
-                await commit_after(gone, tenant.id, session.id, *turn(1), lock=stale)
-            await commit_after(other, tenant.id, session.id, *turn(2), lock=fresh)
-        assert await _texts(other, tenant.id, session.id) == ["sys", "question 2", "answer 2"]
-    finally:
-        await gone.close()
-        await other.close()
-
-
-async def test_a_live_holders_lock_is_never_taken_over(short_presence, redis_server, prefix):
-    holder = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=30)
-    other = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=30)
-    try:
-        tenant = await new_tenant(holder)
-        session = await holder.sessions.create(tenant.id, None, None, None, {})
-        async with holder.sessions.turn_lock(tenant.id, session.id):
-            for _ in range(4):  # 2.5 presence TTLs: refreshed all along
-                await asyncio.sleep(ALIVE_S * 0.6)
-                with pytest.raises(SessionBusyError):
-                    async with other.sessions.turn_lock(tenant.id, session.id):
-                        pass
-        # A lock without an instance (as written before presence) waits for its TTL.
-        await holder.redis.set(holder.keys.session_lock(session.id), "0123abcd", px=30_000)
-        await asyncio.sleep(ALIVE_S * 1.5)
-        with pytest.raises(SessionBusyError):
-            async with other.sessions.turn_lock(tenant.id, session.id):
-                pass
-    finally:
-        await holder.close()
-        await other.close()
-
-
-async def test_a_closed_store_leaves_no_presence(redis_server, prefix, raw):
-    store = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=30)
-    other = await Store.connect(redis_server.url, prefix=prefix, lock_ttl_s=30)
-    try:
-        tenant = await new_tenant(store)
-        session = await store.sessions.create(tenant.id, None, None, None, {})
-        lock_key = store.keys.session_lock(session.id)
-        assert await raw.exists(store.context.presence.key) == 1
-        left = RedisLock(store.redis, lock_key, 30, store.context.presence)
-        assert await left.acquire()
-        await store.close()  # a shutdown: its key goes with it, its locks are free at once
-        assert await raw.exists(store.context.presence.key) == 0
+    gone, other = stores
+    tenant = await new_tenant(gone)
+    session = await gone.sessions.create(tenant.id, None, "sys", [1], {})
+    lock_key = gone.keys.session_lock(session.id)
+    # A turn held by `gone`, whose process then stops (no release, no refresh).
+    stale = RedisLock(gone.redis, lock_key, 30, gone.context.presence)
+    assert await stale.acquire()
+    assert stale.token.startswith(gone.context.presence.instance_id + ":")
+    gone.context.presence._task.cancel()
+    with pytest.raises(SessionBusyError):  # its presence key has not lapsed yet
         async with other.sessions.turn_lock(tenant.id, session.id):
             pass
-    finally:
-        await other.close()
+    await asyncio.sleep(ALIVE_S * 1.5)
+    assert await raw.exists(gone.context.presence.key) == 0
+    assert await raw.pttl(lock_key) > 20_000  # the lock itself is far from expiring
+    async with other.sessions.turn_lock(tenant.id, session.id) as fresh:
+        assert await raw.get(lock_key) == fresh.token.encode()
+        with pytest.raises(TurnLockLostError):
+            await commit_after(gone, tenant.id, session.id, *turn(1), lock=stale)
+        await commit_after(other, tenant.id, session.id, *turn(2), lock=fresh)
+    assert await _texts(other, tenant.id, session.id) == ["sys", "question 2", "answer 2"]
+
+
+async def test_a_live_holders_lock_is_never_taken_over(short_presence, stores):
+    holder, other = stores
+    tenant = await new_tenant(holder)
+    session = await holder.sessions.create(tenant.id, None, None, None, {})
+    async with holder.sessions.turn_lock(tenant.id, session.id):
+        for _ in range(4):  # 2.5 presence TTLs: refreshed all along
+            await asyncio.sleep(ALIVE_S * 0.6)
+            with pytest.raises(SessionBusyError):
+                async with other.sessions.turn_lock(tenant.id, session.id):
+                    pass
+    # A lock without an instance (as written before presence) waits for its TTL.
+    await holder.redis.set(holder.keys.session_lock(session.id), "0123abcd", px=30_000)
+    await asyncio.sleep(ALIVE_S * 1.5)
+    with pytest.raises(SessionBusyError):
+        async with other.sessions.turn_lock(tenant.id, session.id):
+            pass
+
+
+async def test_a_closed_store_leaves_no_presence(stores, raw):
+    store, other = stores
+    tenant = await new_tenant(store)
+    session = await store.sessions.create(tenant.id, None, None, None, {})
+    lock_key = store.keys.session_lock(session.id)
+    assert await raw.exists(store.context.presence.key) == 1
+    left = RedisLock(store.redis, lock_key, 30, store.context.presence)
+    assert await left.acquire()
+    await store.close()  # a shutdown: its key goes with it, its locks are free at once
+    assert await raw.exists(store.context.presence.key) == 0
+    async with other.sessions.turn_lock(tenant.id, session.id):
+        pass
 
 
 HOLDER = """
