@@ -3,8 +3,8 @@
  * torch's indexed assignment (two index_put calls, after a gather of the rows
  * to keep) costs tens of microseconds per layer for a handful of tokens; this is
  * a row copy per token and head (an fp32 row into a bf16 cache rounded on the way; for an
- * int8 cache, a row quantized per token and head: `chatsvc_write_kv_int8`). Slot -1 skips the token. Arguments (slots in range
- * and distinct) are checked by kernels/write_kv.py.
+ * int8 cache, a row quantized per token and head: `chatsvc_write_kv_int8`). Slot -1 skips
+ * the token. Arguments (slots in range and distinct) are checked by kernels/write_kv.py.
  */
 
 #include <math.h>
