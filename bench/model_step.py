@@ -42,6 +42,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -395,26 +396,37 @@ def invariant_main(args) -> None:
 RUN = 8
 
 
+class Variant(NamedTuple):
+    """A model with weights in one dtype, timed over a KV pool of one dtype."""
+
+    loaded: LoadedModel
+    kv_dtype: str  # CHATSVC_KV_DTYPE's names
+    short: str  # its name in the speed line
+
+
 def weight_dtypes_main(args) -> None:
     """One model per weight dtype (over a pool of each KV dtype), decode steps beside the
     memory read that bounds them."""
-    models, kv_dtypes = {}, args.kv_dtypes.split(",")
+    loads: dict[str, LoadedModel] = {}  # by weight dtype and layout
+    models: dict[str, Variant] = {}  # ... and KV dtype
+    kv_dtypes = args.kv_dtypes.split(",")
     for weight_dtype in args.weight_dtypes.split(","):
         if weight_dtype == "onednn":
             loaded = load_model(args.model, dtype=args.dtype, prepack_weights="onednn")
         else:
             loaded = load_model(args.model, dtype=args.dtype, weight_dtype=weight_dtype)
+        name = f"{weight_dtype} ({loaded.model.weight_layout})"
+        loads[name] = loaded
         for kv_dtype in kv_dtypes:
             kv = "" if kv_dtypes == ["auto"] else f" KV {kv_dtype}"
-            short = f"{weight_dtype}{kv}"
-            models[f"{weight_dtype} ({loaded.model.weight_layout}){kv}"] = (loaded, kv_dtype, short)
-    first = next(iter(models.values()))[0]
+            models[name + kv] = Variant(loaded, kv_dtype, weight_dtype + kv)
+    first = next(iter(loads.values()))
     print(
         f"model {first.name}, dtype {first.model.dtype}, threads {torch.get_num_threads()}; "
         f"read bandwidth: a sum over {BANDWIDTH_BYTES >> 20} MiB, interleaved with the steps"
     )
     for batch in (int(b) for b in args.batches.split(",")):
-        fns = {n: ours_decode(m[0], batch, args.context, m[1]) for n, m in models.items()}
+        fns = {n: ours_decode(v.loaded, batch, args.context, v.kv_dtype) for n, v in models.items()}
         fns["memory read"] = read_memory()
         ms, first = interleaved_runs(fns, max(3, args.steps // RUN), RUN)
         first.pop("memory read")
@@ -424,8 +436,7 @@ def weight_dtypes_main(args) -> None:
             f"(steps in runs of {RUN}; the first of a run apart):"
         )
         for name, t in ms.items():
-            loaded, kv_dtype, _ = models[name]
-            nbytes = decode_bytes(loaded, batch, args.context, kv_dtype)
+            nbytes = decode_bytes(models[name].loaded, batch, args.context, models[name].kv_dtype)
             floor = nbytes / bandwidth * 1e3
             print(
                 f"  {name:<30} {t:6.1f} ms ({batch / t * 1e3:6.1f} tok/s)  reads "
@@ -434,10 +445,9 @@ def weight_dtypes_main(args) -> None:
                 f"first of a run {first[name]:5.1f} ms ({first[name] / floor:.2f}x)"
             )
         base_name, base = next(iter(ms.items()))
-        speeds = ", ".join(f"{models[name][2]} {base / t:.2f}x" for name, t in ms.items())
+        speeds = ", ".join(f"{models[name].short} {base / t:.2f}x" for name, t in ms.items())
         print(f"  speed against {base_name}: {speeds}")
     if args.prefill:
-        loads = {name.split(" KV")[0]: m[0] for name, m in models.items()}  # K/V read once
         fns = {name: ours_prefill(loaded, args.prefill) for name, loaded in loads.items()}
         ms = interleaved_medians(fns, max(3, args.steps // 6))
         rates = (f"{n} {t:6.1f} ms ({args.prefill / t * 1e3:5.0f} tok/s)" for n, t in ms.items())

@@ -43,7 +43,7 @@ class TorchStep(StepOps):
         tables, starts, lens = batch.block_tables, batch.query_start_loc, batch.context_lens
         self.metadata: ExtendMetadata | SpanMetadata
         # The groups read caches of the model's dtype; the span tasks widen narrower ones.
-        if choice.invariant or is_narrowed(kv_pool.dtype, dims.dtype or kv_pool.dtype):
+        if choice.invariant or is_narrowed(kv_pool.dtype, self.dtype):
             self.metadata = span_metadata(tables, starts, lens, kv_pool.shape[3], group)
         else:
             row_bytes = num_kv_heads * head_dim * kv_pool.element_size()
