@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from chatsvc.api.http_server import uvicorn_config
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -58,7 +60,7 @@ class ThreadServer:
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn_config(app, "127.0.0.1", self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="uvicorn", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -19,6 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from chatsvc.api.app import create_app
+    from chatsvc.api.http_server import uvicorn_config
     from chatsvc.config import Settings
     from chatsvc.logs import configure_logging
 
@@ -26,10 +27,10 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, log_text=settings.log_text)
     app = create_app(settings)
     server = uvicorn.Server(
-        uvicorn.Config(
+        uvicorn_config(
             app,
-            host=settings.host,
-            port=settings.port,
+            settings.host,
+            settings.port,
             log_level=args.log_level,
             # Logging is configured above (request ids on every line); uvicorn keeps out.
             log_config=None,

@@ -59,8 +59,8 @@ def test_huge_body_is_413(server, raw_redis, acme, session_id):
 def test_a_body_sent_whole_before_the_answer_is_read_gets_its_413(server, raw_redis):
     # urllib writes the whole body before it reads: a server that answers and
     # closes with most of it unread resets the connection, and the client saw a
-    # broken pipe, not the 413.
-    big = b'{"metadata": {"k": "' + b"x" * (4 * 1024 * 1024) + b'"}}'
+    # broken pipe, not the 413. 32 MiB: more than the sockets' buffers hold.
+    big = b'{"metadata": {"k": "' + b"x" * (32 * 1024 * 1024) + b'"}}'
     request = urllib.request.Request(
         server.url + "/sessions",
         data=big,

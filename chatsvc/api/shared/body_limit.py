@@ -1,25 +1,17 @@
-"""413 for a body over the size limit, answered so that the client reads it.
+"""413 for a body over the size limit, before the handler reads any of it.
 
-Litestar refuses a body whose ``Content-Length`` is over the limit before
-reading any of it, and uvicorn then closes the connection with the body still
-arriving. Closing a socket with unread data makes the kernel send a reset, and
-clients that send the whole body before reading the answer (urllib, httpx, the
-openai SDK) see that reset instead of the 413. Reading the body to its end
-first, up to ``MAX_DRAIN_BYTES`` and within the body deadline
-(body_timeout.py), lets the answer arrive; ``Connection: close`` then ends the
-connection. A body longer still is refused without the wait: reading it would
-cost more than the client's clear answer is worth. A chunked body (no
-``Content-Length``) is counted as it arrives and, once past the limit, drained
-the same way.
+A body whose ``Content-Length`` is over the limit is refused unread; a chunked
+body (no ``Content-Length``) is counted as it arrives and refused once past it.
+Either way the answer carries ``Connection: close`` and the rest of the body is
+still arriving: the server's lingering close (``chatsvc.api.http_server``) reads
+and drops it, so that clients which send the whole body before reading (urllib,
+httpx, the openai SDK) read the 413 instead of a reset.
 """
 
 from __future__ import annotations
 
 from litestar.exceptions import HTTPException
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
-
-# What the server reads and throws away to answer one oversized request.
-MAX_DRAIN_BYTES = 16 * 1024 * 1024
 
 
 class BodyTooLargeError(HTTPException):
@@ -38,15 +30,12 @@ def body_limit_middleware(max_bytes: int):
             if length is None:  # chunked: the limit is passed, if at all, while it arrives
                 await app(scope, _counted(receive, max_bytes), send)
                 return
-            if length <= max_bytes:
-                await app(scope, receive, send)
-                return
-            if length <= MAX_DRAIN_BYTES:
-                await _drain(receive)
-            raise BodyTooLargeError(
-                f"the request body is {length} bytes; the limit is {max_bytes}",
-                headers={"Connection": "close"},
-            )
+            if length > max_bytes:
+                raise BodyTooLargeError(
+                    f"the request body is {length} bytes; the limit is {max_bytes}",
+                    headers={"Connection": "close"},
+                )
+            await app(scope, receive, send)
 
         return wrapped
 
@@ -54,8 +43,7 @@ def body_limit_middleware(max_bytes: int):
 
 
 def _counted(receive: Receive, max_bytes: int) -> Receive:
-    """``receive`` for a body of unknown length: once past ``max_bytes`` the rest is
-    read and dropped (as for a declared length), then the 413 names the limit."""
+    """``receive`` for a body of unknown length, refusing it once past ``max_bytes``."""
     received = 0
 
     async def counted() -> Message:
@@ -64,8 +52,6 @@ def _counted(receive: Receive, max_bytes: int) -> Receive:
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
             if received > max_bytes:
-                if message.get("more_body", False):
-                    await _drain(receive)
                 raise BodyTooLargeError(
                     f"the request body is over the limit of {max_bytes} bytes",
                     headers={"Connection": "close"},
@@ -83,15 +69,3 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None  # the server's HTTP parser answers a malformed length
     return None
-
-
-async def _drain(receive: Receive) -> None:
-    """Read the body to its end (or the client's disconnect), keeping none of it."""
-    received = 0
-    while received <= MAX_DRAIN_BYTES:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        received += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return

@@ -1,0 +1,114 @@
+"""How uvicorn serves the app: one config for every entry point, closing lingeringly.
+
+An answer given before the request's body has all arrived (a 408 when the body
+misses its deadline, a 413 when it is over the size limit, a 400 for a malformed
+request) is followed by uvicorn closing the socket while the client is still
+sending. A socket closed with unread bytes, or one that receives bytes after its
+close, makes the kernel send a reset, and a reset can drop the answer before the
+client has read it: the client sees "connection reset" instead of the status that
+says what went wrong. As nginx does (``lingering_close``), such a connection is
+half-closed instead: the answer is followed by a FIN, what the client still sends
+is read and dropped, and the socket closes once the client closes its side or
+stops sending for a while. Connections closed between requests (keep-alive expiry,
+shutdown) have nothing in flight and close at once, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# How long a half-closed connection waits for the client to stop sending (nginx's
+# lingering_time and lingering_timeout): it closes once nothing has come for
+# LINGER_IDLE_S, and at the latest LINGER_S after the answer. A client that sends its
+# body whole before reading finishes well within them at any local network's speed;
+# one that never stops (a slow-loris) holds a socket, no task, LINGER_S at most.
+LINGER_S = 30.0
+LINGER_IDLE_S = 5.0
+
+# The client's states in which it may still be sending the request it was answered on.
+_STILL_SENDING = (h11.SEND_BODY, h11.ERROR)
+
+
+class _LingeringTransport:
+    """The connection's transport, whose ``close`` lingers while the client still sends."""
+
+    def __init__(self, transport: asyncio.Transport, still_sending: Callable[[], bool]) -> None:
+        self._transport = transport
+        self._still_sending = still_sending
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self.lingering = False
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        transport = self._transport
+        if transport.is_closing() or not transport.can_write_eof() or not self._still_sending():
+            transport.close()
+            return
+        self.lingering = True
+        self._deadline = asyncio.get_running_loop().time() + LINGER_S
+        transport.write_eof()  # the FIN goes after the answer's last byte
+        transport.resume_reading()  # uvicorn pauses reading while a body waits unread
+        self.heard()
+
+    def heard(self) -> None:
+        """Bytes came while lingering: wait LINGER_IDLE_S more, within LINGER_S."""
+        self.stop()
+        loop = asyncio.get_running_loop()
+        wait = min(LINGER_IDLE_S, self._deadline - loop.time())
+        self._timer = loop.call_later(max(wait, 0.0), self._transport.close)
+
+    def close_now(self) -> None:
+        """Close without waiting, lingering or not."""
+        self.stop()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def stop(self) -> None:
+        """No close is pending any more (the connection is gone, or the timer is re-armed)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class LingeringH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection the client still sends on lingeringly."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.closing = _LingeringTransport(
+            transport, lambda: self.conn.their_state in _STILL_SENDING
+        )
+        super().connection_made(self.closing)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing.lingering:
+            self.closing.heard()
+            return  # the rest of a request already answered: dropped unread
+        super().data_received(data)
+
+    def shutdown(self) -> None:
+        if self.closing.lingering:  # the server is stopping: the close waits no longer
+            self.closing.close_now()
+        else:
+            super().shutdown()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing.stop()
+        super().connection_lost(exc)
+
+
+def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
+    """The uvicorn config of ``python -m chatsvc serve`` and of the in-process test servers."""
+    return uvicorn.Config(app, host=host, port=port, http=LingeringH11Protocol, **options)

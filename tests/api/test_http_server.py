@@ -1,0 +1,138 @@
+"""The lingering close (chatsvc.api.http_server): an answer given while the client is
+still sending reaches it whole, and the half-closed connection is bounded in time.
+
+A small app with the service's own body guards, under the same uvicorn config as
+``python -m chatsvc serve``; no model is needed to test how a connection ends.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from litestar import Litestar, Request, post
+
+from bench.live_server import ThreadServer, wait_until
+from chatsvc.api import http_server
+from chatsvc.api.shared.body_limit import body_limit_middleware
+from chatsvc.api.shared.body_timeout import body_timeout_middleware
+
+BODY_DEADLINE_S = 1.0
+MAX_BODY_BYTES = 1_000_000
+
+
+@post("/echo")
+async def echo(request: Request) -> dict:
+    return await request.json()
+
+
+def _app() -> Litestar:
+    return Litestar(
+        [echo],
+        middleware=[
+            body_timeout_middleware(BODY_DEADLINE_S),
+            body_limit_middleware(MAX_BODY_BYTES),
+        ],
+    )
+
+
+@pytest.fixture
+def server():
+    with ThreadServer(_app()) as running:
+        yield running
+
+
+def _connections(server: ThreadServer) -> int:
+    return len(server.server.server_state.connections)
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One whole answer (its head and its Content-Length of body) off ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
+def _head(length: int) -> bytes:
+    return (
+        f"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def test_a_body_sent_whole_past_the_limit_reads_its_413(server):
+    # urllib sends all 32 MiB before it reads: closed at once, the server would have
+    # reset the connection with most of them unread (a broken pipe, not the 413).
+    request = urllib.request.Request(
+        server.url + "/echo",
+        data=b"x" * (32 * 1024 * 1024),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 413
+    assert info.value.headers["Connection"] == "close"
+    info.value.close()
+    # The client closed its side after reading: the server's side is gone with it.
+    wait_until(lambda: _connections(server) == 0, 10, "the connection to close")
+
+
+def test_a_body_that_goes_on_after_its_408_is_read_and_dropped(server):
+    rest = 256 * 1024
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_head(6 + rest) + b'{"a": ')
+        assert select.select([sock], [], [], 10)[0], "no answer after the body deadline"
+        time.sleep(0.2)  # the answer is out and the server has closed its side
+        # The client goes on sending the body the server gave up on, then reads: a
+        # server that closed at once resets the connection under these sends.
+        for _ in range(rest // 4096):
+            sock.sendall(b"x" * 4096)
+            time.sleep(0.001)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"request_timeout" in answer or b"did not arrive" in answer
+
+
+def test_a_client_that_never_stops_sending_is_cut_off(server, monkeypatch):
+    monkeypatch.setattr(http_server, "LINGER_S", 1.0)
+    monkeypatch.setattr(http_server, "LINGER_IDLE_S", 0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_head(MAX_BODY_BYTES * 1000))  # refused on its length alone
+        assert select.select([sock], [], [], 10)[0], "no 413"
+        started = time.monotonic()
+        with pytest.raises(OSError):  # the reset of a socket closed under it
+            while time.monotonic() - started < 20:
+                sock.sendall(b"x" * 64)  # a byte stream well inside the idle wait
+                time.sleep(0.05)
+        assert _connections(server) == 0
+
+
+def test_a_client_that_goes_quiet_is_closed_after_the_idle_wait(server, monkeypatch):
+    monkeypatch.setattr(http_server, "LINGER_IDLE_S", 0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_head(MAX_BODY_BYTES * 1000))
+        assert _read_answer(sock).startswith(b"HTTP/1.1 413")
+        # Neither reading to the end nor closing: only the idle wait ends it.
+        wait_until(lambda: _connections(server) == 0, 10, "the lingering close to end")
+
+
+def test_a_request_read_whole_keeps_its_connection_alive(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        body = b'{"a": 1}'
+        for _ in range(2):  # keep-alive: the second request on the same connection
+            sock.sendall(_head(len(body)) + body)
+            answer = _read_answer(sock)
+            assert answer.startswith(b"HTTP/1.1 201"), answer
+            assert answer.endswith(b'{"a":1}')
+        assert _connections(server) == 1
