@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -40,3 +41,32 @@ def test_dev_installs_what_the_tests_use_before_running_them():
         timeout=600,
     )
     assert found.returncode == 0, found.stderr
+
+
+def test_a_first_install_without_room_for_it_stops_at_once_and_says_why(tmp_path):
+    # A fresh checkout (no .venv) on a filesystem that `df` says is nearly full: the
+    # install stops before pip starts, naming the room it needs and the room there is.
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "dev").write_bytes((REPO / "dev").read_bytes())
+    (checkout / "dev").chmod(0o755)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "df").write_text(
+        "#!/bin/sh\necho 'Filesystem 1048576-blocks Used Available Capacity Mounted on'\n"
+        "echo 'fake 100000 99900 100 100% /'\n"
+    )
+    (tools / "df").chmod(0o755)
+    path = f"{tools}:{os.environ['PATH']}"
+    done = subprocess.run(
+        ["./dev", "test"],
+        cwd=checkout,
+        env={**os.environ, "PATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "needs about 3072 MB free" in done.stderr and "has 100 MB" in done.stderr
+    # Nothing was installed: the venv holds no torch (pip never ran).
+    assert not list((checkout / ".venv").glob("lib/python*/site-packages/torch"))
