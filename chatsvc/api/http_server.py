@@ -44,12 +44,18 @@ class _LingeringTransport:
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
         self.lingering = False
+        self.may_linger = True  # until the server stops
 
     def close(self) -> None:
         if self.lingering:
             return
         transport = self._transport
-        if transport.is_closing() or not transport.can_write_eof() or not self._still_sending():
+        if (
+            transport.is_closing()
+            or not self.may_linger
+            or not transport.can_write_eof()
+            or not self._still_sending()
+        ):
             transport.close()
             return
         self.lingering = True
@@ -99,7 +105,9 @@ class LingeringH11Protocol(H11Protocol):
         super().data_received(data)
 
     def shutdown(self) -> None:
-        if self.closing.lingering:  # the server is stopping: the close waits no longer
+        # The server is stopping: no close waits for a client from now on.
+        self.closing.may_linger = False
+        if self.closing.lingering:
             self.closing.close_now()
         else:
             super().shutdown()

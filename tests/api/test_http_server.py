@@ -136,3 +136,18 @@ def test_a_request_read_whole_keeps_its_connection_alive(server):
             assert answer.startswith(b"HTTP/1.1 201"), answer
             assert answer.endswith(b'{"a":1}')
         assert _connections(server) == 1
+
+
+def test_a_server_stopping_waits_for_no_lingering_client(monkeypatch):
+    # Lingering as long as 60 s: a shutdown that waited for it would take that long.
+    monkeypatch.setattr(http_server, "LINGER_S", 60.0)
+    monkeypatch.setattr(http_server, "LINGER_IDLE_S", 60.0)
+    server = ThreadServer(_app()).__enter__()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(_head(MAX_BODY_BYTES * 1000))
+        assert _read_answer(sock).startswith(b"HTTP/1.1 413")
+        assert _connections(server) == 1  # half-closed, waiting on the client
+        started = time.monotonic()
+        server.__exit__(None, None, None)
+        assert not server.thread.is_alive()
+        assert time.monotonic() - started < 30
