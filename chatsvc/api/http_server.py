@@ -1,16 +1,26 @@
-"""How uvicorn serves the app: one config for every entry point, closing lingeringly.
+"""How uvicorn serves the app: one config for every entry point, with two guards on
+the connection that uvicorn's own h11 protocol lacks.
 
-An answer given before the request's body has all arrived (a 408 when the body
-misses its deadline, a 413 when it is over the size limit, a 400 for a malformed
-request) is followed by uvicorn closing the socket while the client is still
-sending. A socket closed with unread bytes, or one that receives bytes after its
-close, makes the kernel send a reset, and a reset can drop the answer before the
-client has read it: the client sees "connection reset" instead of the status that
-says what went wrong. As nginx does (``lingering_close``), such a connection is
-half-closed instead: the answer is followed by a FIN, what the client still sends
-is read and dropped, and the socket closes once the client closes its side or
-stops sending for a while. Connections closed between requests (keep-alive expiry,
-shutdown) have nothing in flight and close at once, as before.
+**A deadline for a request's head.** uvicorn bounds the wait between requests
+(keep-alive) but not a connection that sends nothing after connecting, nor a head
+(request line and headers) that trickles in or stops: each held a socket for as
+long as the client liked, and enough of them take every file descriptor the
+process has, its Redis connections' and KV files' included. A request's head must
+now arrive within ``HEAD_TIMEOUT_S`` of the connection (or of the previous
+answer), else the connection closes; the body has its own deadline
+(``api/shared/body_timeout.py``). nginx's ``client_header_timeout`` does the same.
+
+**A lingering close.** An answer given before the request's body has all arrived
+(a 408 when the body misses its deadline, a 413 when it is over the size limit, a
+400 for a malformed request) is followed by uvicorn closing the socket while the
+client is still sending. A socket closed with unread bytes, or one that receives
+bytes after its close, makes the kernel send a reset, and a reset can drop the
+answer before the client has read it: the client sees "connection reset" instead
+of the status that says what went wrong. As nginx does (``lingering_close``), such
+a connection is half-closed instead: the answer is followed by a FIN, what the
+client still sends is read and dropped, and the socket closes once the client
+closes its side or stops sending for a while. Connections closed between requests
+(keep-alive expiry, shutdown) have nothing in flight and close at once, as before.
 """
 
 from __future__ import annotations
@@ -30,6 +40,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 # one that never stops (a slow-loris) holds a socket, no task, LINGER_S at most.
 LINGER_S = 30.0
 LINGER_IDLE_S = 5.0
+
+# Seconds a request's head (request line and headers) may take to arrive, counted from
+# the connection or from the previous answer: the body's deadline's default.
+HEAD_TIMEOUT_S = 30.0
 
 # The client's states in which it may still be sending the request it was answered on.
 _STILL_SENDING = (h11.SEND_BODY, h11.ERROR)
@@ -89,20 +103,53 @@ class _LingeringTransport:
         return getattr(self._transport, name)
 
 
-class LingeringH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection the client still sends on lingeringly."""
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head and a lingering
+    close for a connection the client still sends on."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.closing = _LingeringTransport(
             transport, lambda: self.conn.their_state in _STILL_SENDING
         )
+        self.headed: object = None  # the request whose head arrived last
+        self.head_timer: asyncio.TimerHandle | None = None
         super().connection_made(self.closing)  # type: ignore[arg-type]
+        self.await_head()
+
+    def await_head(self) -> None:
+        """From now, the next request's head has HEAD_TIMEOUT_S to arrive."""
+        self.stop_head_timer()
+        self.head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self.head_late)
+
+    def stop_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def head_late(self) -> None:
+        self.head_timer = None
+        if self.cycle is self.headed:  # still no new request: nobody is waiting on one
+            self.closing.close()
 
     def data_received(self, data: bytes) -> None:
         if self.closing.lingering:
             self.closing.heard()
             return  # the rest of a request already answered: dropped unread
         super().data_received(data)
+        self.check_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.closing.is_closing():
+            return
+        self.await_head()
+        self.check_head()  # a pipelined request's head may have been read already
+
+    def check_head(self) -> None:
+        # uvicorn starts a cycle for each request whose head h11 has parsed.
+        if self.cycle is not None and self.cycle is not self.headed:
+            self.headed = self.cycle
+            self.stop_head_timer()
 
     def shutdown(self) -> None:
         # The server is stopping: no close waits for a client from now on.
@@ -114,9 +161,10 @@ class LingeringH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing.stop()
+        self.stop_head_timer()
         super().connection_lost(exc)
 
 
 def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
     """The uvicorn config of ``python -m chatsvc serve`` and of the in-process test servers."""
-    return uvicorn.Config(app, host=host, port=port, http=LingeringH11Protocol, **options)
+    return uvicorn.Config(app, host=host, port=port, http=GuardedH11Protocol, **options)

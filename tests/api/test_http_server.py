@@ -1,5 +1,6 @@
-"""The lingering close (chatsvc.api.http_server): an answer given while the client is
-still sending reaches it whole, and the half-closed connection is bounded in time.
+"""The connection guards of chatsvc.api.http_server: a request's head has a deadline,
+and an answer given while the client is still sending reaches it whole, the
+half-closed connection bounded in time (the lingering close).
 
 A small app with the service's own body guards, under the same uvicorn config as
 ``python -m chatsvc serve``; no model is needed to test how a connection ends.
@@ -7,6 +8,7 @@ A small app with the service's own body guards, under the same uvicorn config as
 
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import time
@@ -14,7 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from litestar import Litestar, Request, post
+from litestar import Litestar, Request, get, post
 
 from bench.live_server import ThreadServer, wait_until
 from chatsvc.api import http_server
@@ -30,9 +32,15 @@ async def echo(request: Request) -> dict:
     return await request.json()
 
 
+@get("/slow")
+async def slow() -> str:
+    await asyncio.sleep(1.5)  # longer than the head deadline the tests below set
+    return "done"
+
+
 def _app() -> Litestar:
     return Litestar(
-        [echo],
+        [echo, slow],
         middleware=[
             body_timeout_middleware(BODY_DEADLINE_S),
             body_limit_middleware(MAX_BODY_BYTES),
@@ -151,3 +159,46 @@ def test_a_server_stopping_waits_for_no_lingering_client(monkeypatch):
         server.__exit__(None, None, None)
         assert not server.thread.is_alive()
         assert time.monotonic() - started < 30
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes ``sock`` (EOF or a reset) within ``within_s``."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_head_deadline(server, monkeypatch):
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        # It had been held until the client went away (uvicorn times only keep-alive).
+        assert _closed_by_server(sock, 20)
+    wait_until(lambda: _connections(server) == 0, 10, "the connection to close")
+
+
+def test_a_head_trickled_in_is_cut_at_its_deadline_also_after_an_answer(server, monkeypatch):
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 1.0)
+    head = b"GET /slow HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"p" * 400 + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        # A first request is answered (its handler outlasts the deadline: the deadline
+        # is the head's alone), then the next head comes a byte at a time, each byte
+        # well inside uvicorn's keep-alive timeout.
+        sock.sendall(head)
+        assert _read_answer(sock).endswith(b"done")
+        started, cut = time.monotonic(), False
+        for byte in head:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                cut = True
+                break
+            if select.select([sock], [], [], 0.05)[0]:
+                cut = _closed_by_server(sock, 1)
+                break
+        assert cut, "the trickled head was never cut off"
+        assert time.monotonic() - started < len(head) * 0.05  # before it was all sent
+    wait_until(lambda: _connections(server) == 0, 10, "the connection to close")
