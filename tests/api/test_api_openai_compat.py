@@ -359,6 +359,13 @@ BAD_CHAT = [
     ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"store": True}, "store"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"metadata": {"k": "v" * 5000}}, "metadata"),
 ]
 
 
@@ -368,6 +375,58 @@ def test_bad_chat_values_are_a_400_naming_the_field(sdk, model, recorded, fields
         sdk.chat.completions.create(model=model, messages=chat("hi"), max_tokens=8, **fields)
     assert named in str(info.value)
     assert recorded == []  # refused before the engine saw anything
+
+
+# What clients send by habit with no tools and no structured output: OpenAI's fields at
+# their neutral values.
+NEUTRAL_CHAT = {
+    "tools": [],
+    "tool_choice": "none",
+    "parallel_tool_calls": False,
+    "response_format": {"type": "text"},
+    "store": False,
+    "metadata": {"app": "tests"},
+    "modalities": ["text"],
+    "service_tier": "auto",
+    "prompt_cache_retention": "in_memory",
+}
+
+
+def test_neutral_openai_fields_change_nothing_the_engine_is_asked(sdk, model, recorded):
+    kwargs = dict(model=model, messages=chat("Name a color."), max_tokens=4, seed=3)
+    plain = sdk.chat.completions.create(**kwargs)
+    neutral = sdk.chat.completions.create(**kwargs, **NEUTRAL_CHAT)
+    assert neutral.choices[0].message.content
+    first, second = (r.request for r in recorded)
+    assert second.prompt_token_ids == first.prompt_token_ids
+    assert second.sampling == first.sampling
+    assert neutral.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_an_answer_replayed_as_the_sdk_dumps_it_is_the_same_history(sdk, model, recorded):
+    question = chat("Name a fruit.")
+    answer = sdk.chat.completions.create(model=model, messages=question, max_tokens=6)
+    dumped = answer.choices[0].message.model_dump()  # refusal, tool_calls, ... as null
+    assert dumped["refusal"] is None and dumped["tool_calls"] is None
+    follow = {"role": "user", "content": "And a vegetable?"}
+    for assistant in (dumped, {"role": "assistant", "content": dumped["content"]}):
+        sdk.chat.completions.create(
+            model=model, messages=[*question, assistant, follow], max_tokens=2
+        )
+    replayed, plain = (r.request.prompt_token_ids for r in recorded[1:])
+    assert replayed == plain
+
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    before = len(recorded)
+    for field, value in (("tool_calls", [tool_call]), ("refusal", "No."), ("audio", {"id": "a"})):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(
+                model=model,
+                messages=[*question, {**dumped, field: value}, follow],
+                max_tokens=2,
+            )
+        assert f"messages[1].{field}" in str(info.value)
+    assert len(recorded) == before
 
 
 BAD_COMPLETION = [
@@ -403,6 +462,12 @@ def test_bad_tokenizer_requests(acme, model):
         json={"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True},
     )
     assert special.status_code == 400 and "add_special_tokens" in special.text
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = acme.post(
+        "/tokenize",
+        json={"messages": [{"role": "assistant", "content": "", "tool_calls": [tool_call]}]},
+    )
+    assert called.status_code == 400 and "messages[0].tool_calls" in called.text
 
 
 def test_no_block_stays_in_use(api):

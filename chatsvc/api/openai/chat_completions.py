@@ -58,6 +58,7 @@ from chatsvc.api.shared.store_access import visible_prompt
 from chatsvc.protocol import GenerationRequest
 from chatsvc.service import Services
 from chatsvc.store.records import SystemPromptRecord, TenantRecord
+from chatsvc.store.validate import check_metadata
 
 ENDPOINT = "chat_completions"
 
@@ -140,7 +141,8 @@ async def _release(slot: StreamSlot) -> None:
 
 
 def template_messages(services: ServicesDep, messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The request's messages as the chat template takes them; 400 past the limits."""
+    """The request's messages as the chat template takes them; 400 past the limits or
+    for a message field asking what is not done here."""
     if not messages:
         raise InvalidRequestError("messages must not be empty")
     max_messages = services.settings.limits.max_messages
@@ -148,6 +150,11 @@ def template_messages(services: ServicesDep, messages: list[ChatMessage]) -> lis
         raise InvalidRequestError(
             f"the request has {len(messages)} messages; the limit is {max_messages}"
         )
+    refused = [
+        f"messages[{i}].{what}" for i, m in enumerate(messages) for what in m.refused_fields()
+    ]
+    if refused:
+        raise InvalidRequestError(f"not supported here: {'; '.join(refused)}")
     converted = [m.for_template() for m in messages]
     total = sum(len(m["content"]) for m in converted)
     if total > services.settings.limits.max_message_chars * 4:
@@ -193,6 +200,13 @@ async def _build_request(
     services: ServicesDep, tenant: TenantDep, data: JSONBody[ChatCompletionRequest]
 ) -> GenerationRequest:
     check_model(services, data.model)
+    refused = data.refused_fields()
+    if refused:
+        raise InvalidRequestError(f"not supported here: {'; '.join(refused)}")
+    try:
+        check_metadata(data.metadata)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(str(exc)) from None
     if data.max_tokens is not None and data.max_completion_tokens is not None:
         raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
     messages = template_messages(services, data.messages)

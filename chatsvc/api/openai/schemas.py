@@ -1,13 +1,16 @@
 """Bodies of the OpenAI-compatible chat endpoint and /v1/models, in the openai SDK's names.
 
-Anything this server does not implement is an unknown field and rejected, so
-nothing is silently ignored. The sampling fields shared with /v1/completions are
-in ``sampling_fields``.
+Anything this server does not implement is rejected, so nothing is silently
+ignored: a field nobody sends here is unknown (400); an OpenAI field that clients
+send by habit (``tools: []``, ``response_format: {"type": "text"}``, an answer
+replayed with ``refusal: null``) is declared, accepted at its neutral value and
+refused by name otherwise (``refused_fields``), as on the Responses API. The
+sampling fields shared with /v1/completions are in ``sampling_fields``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -23,6 +26,25 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    # What the SDK's ChatCompletionMessage holds besides role and content: an answer
+    # appended to the history as ``message.model_dump()`` sends them back, null.
+    # ``annotations`` describe an earlier answer and change nothing; the others are
+    # accepted empty only (see refused_fields).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def refused_fields(self) -> list[str]:
+        refused = []
+        if self.refusal is not None:
+            refused.append("refusal (only null: send a refused turn's text as content)")
+        if self.audio is not None:
+            refused.append("audio (the model takes text only)")
+        if self.function_call is not None or self.tool_calls:
+            refused.append("tool_calls (this server runs no tools)")
+        return refused
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -55,6 +77,37 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     beam_width: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # OpenAI fields accepted at their neutral value only (see refused_fields). Chat
+    # completions are not stored here (``store: true`` is refused), so ``metadata`` is
+    # checked and kept nowhere, as OpenAI does without ``store``.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_retention: Literal["in_memory"] | None = None
+
+    def refused_fields(self) -> list[str]:
+        """The fields given with a value that asks for something not done here."""
+        refused = []
+        if self.tools:
+            refused.append("tools (this server runs no tools)")
+        if self.tool_choice not in (None, "none", "auto"):
+            refused.append("tool_choice (no tools: only 'none' or 'auto')")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            kind = self.response_format.get("type")
+            refused.append(f"response_format ({kind!r}: only 'text'; no structured output)")
+        if self.store:
+            refused.append(
+                "store (chat completions are not stored; the Responses API and "
+                "/sessions keep conversations)"
+            )
+        if self.modalities is not None and self.modalities != ["text"]:
+            refused.append("modalities (only ['text'])")
+        return refused
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
