@@ -37,6 +37,9 @@ _REPLICA_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 # rebinds its own DNS name to 127.0.0.1 still sends its own name as Host.
 LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]")
 # A DNS name or an IPv4 address (no port, no path); IPv6 literals are checked apart.
+# A web origin as browsers send it: scheme://host[:port], nothing after (a desktop
+# app's own scheme, tauri://localhost, included); "*" may stand for any part.
+_ORIGIN_RE = re.compile(r"^[a-z*][a-z0-9+.*-]*://[a-z0-9*_.:\[\]-]+$", re.IGNORECASE)
 _HOST_NAME_RE = re.compile(r"^[a-z0-9_]([a-z0-9_.-]{0,251}[a-z0-9_])?$")
 
 
@@ -100,6 +103,11 @@ class Settings:
     ``allowed_hosts`` are the names a request's ``Host`` header may carry (any
     port). Empty = the default: loopback names in local mode, any name with keys.
     ``("*",)`` turns the check off, which local mode refuses.
+
+    ``cors_origins`` are the web origins whose pages may call the API from a
+    browser (CORS). Empty = none, the default: no page on another origin can read
+    an answer. ``("*",)`` = every origin, which local mode refuses as it refuses
+    every host name.
     """
 
     host: str = "127.0.0.1"
@@ -115,6 +123,7 @@ class Settings:
     admin_key: str | None = None
     api_keys: tuple[tuple[str, str], ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     # Opt-in debugging aid: log prompt and completion text (off: lengths only).
     log_text: bool = False
@@ -140,6 +149,10 @@ class Settings:
                 return None
             names = LOOPBACK_HOST_NAMES
         return frozenset((*names, normalize_host_name(self.host)))
+
+    def cors_allow_list(self) -> list[str]:
+        """The origins allowed to call from a browser, as browsers write them (lower case)."""
+        return [origin.lower() for origin in self.cors_origins]
 
     def redis_dir(self) -> Path:
         """Where the embedded server keeps its append-only file when no URL is set."""
@@ -182,6 +195,17 @@ class Settings:
                     f"allowed host {name!r} is not a host name or IP address "
                     "(list names without a port: every port is accepted)"
                 )
+        for origin in self.cors_origins:
+            if origin != "*" and not _ORIGIN_RE.match(origin):
+                raise SettingsError(
+                    f"CORS origin {origin!r} is not an origin: scheme://host[:port], no path "
+                    "(e.g. http://localhost:3000; '*' within it matches any part)"
+                )
+        if not self.auth_enabled and "*" in self.cors_origins:
+            raise SettingsError(
+                "CHATSVC_CORS_ORIGINS=* needs CHATSVC_API_KEYS: without keys, any web page "
+                "the user opens could drive the service; name the frontend's origin instead"
+            )
         if not self.auth_enabled and "*" in self.allowed_hosts:
             raise SettingsError(
                 "CHATSVC_ALLOWED_HOSTS=* needs CHATSVC_API_KEYS: without keys, any web page "
@@ -236,6 +260,7 @@ class Settings:
             admin_key=get("ADMIN_KEY"),
             api_keys=parse_api_keys(get("API_KEYS") or ""),
             allowed_hosts=_parse_list(get("ALLOWED_HOSTS")),
+            cors_origins=_parse_list(get("CORS_ORIGINS")),
             limits=limits,
             log_text=_parse_bool(ENV_PREFIX + "LOG_TEXT", get("LOG_TEXT")),
             replica_id=get("REPLICA_ID"),

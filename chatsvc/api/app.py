@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import Headers, State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
@@ -24,6 +25,7 @@ from chatsvc.api.native.health import healthz, readyz
 from chatsvc.api.native.messages import MessageController
 from chatsvc.api.native.sessions import SessionController
 from chatsvc.api.native.system_prompts import SystemPromptController
+from chatsvc.api.openai.caller_ids import PROMPT_CACHE_KEY_HEADER
 from chatsvc.api.openai.chat_completions import ChatCompletionsController
 from chatsvc.api.openai.completions import CompletionsController
 from chatsvc.api.openai.conversations import ConversationController
@@ -39,6 +41,7 @@ from chatsvc.api.shared.host_check import allowed_hosts_middleware
 from chatsvc.api.shared.request_rate import request_rate_middleware
 from chatsvc.api.shared.startup_gate import startup_gate_middleware
 from chatsvc.config import Settings
+from chatsvc.logs import HEADER as REQUEST_ID_HEADER
 from chatsvc.logs import RequestIdMiddleware
 from chatsvc.service import Services, running_services
 
@@ -65,6 +68,23 @@ def _tenant_of(scope: Scope) -> str | None:
 
 def _rate_limited(scope: Scope, outcome: str) -> None:
     scope["litestar_app"].state.services.metrics.rate_limited.labels(outcome).inc()
+
+
+def _cors(settings: Settings) -> CORSConfig | None:
+    """CORS for the configured origins; None (no CORS header at all) when none are.
+
+    A preflight is answered before any middleware below runs (it carries no key and
+    reads nothing); every other request goes through all of them, and its answer, an
+    error included, carries the origin when it is allowed, so a page can read it.
+    Cookies are never credentials here, so none are allowed."""
+    origins = settings.cors_allow_list()
+    if not origins:
+        return None
+    return CORSConfig(
+        allow_origins=origins,
+        allow_credentials=False,
+        expose_headers=[REQUEST_ID_HEADER, PROMPT_CACHE_KEY_HEADER, "Retry-After"],
+    )
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
@@ -100,6 +120,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "tenant": Provide(provide_tenant),
         },
         exception_handlers=EXCEPTION_HANDLERS,
+        cors_config=_cors(settings),
         # Outermost first: the request id is set before anything can log; a foreign
         # Host is refused before any other check looks at the request; nothing but
         # the probes is served before the engine is; a tenant past its request rate

@@ -4,8 +4,10 @@ A page in the user's browser can send a "simple" cross-site POST (a form, or a
 fetch with a text/plain or untyped body) without a CORS preflight, and with DNS
 rebinding it can read a loopback server's answers under its own name. The
 service refuses both: a foreign Host header is a 400, a POST not labelled
-application/json a 415, and neither changes anything in Redis. The docs' own
-curl commands must keep working against such a server.
+application/json a 415, and neither changes anything in Redis. The server names
+one frontend origin (``CHATSVC_CORS_ORIGINS``): that origin's pages may call it,
+and every refusal above still holds for every other page. The docs' own curl
+commands must keep working against such a server.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ FOREIGN_HOSTS = [
     "127.0.0.1.attacker.example:{port}",
     "localhost.attacker.example",
 ]
+# The one origin whose pages may call the server from a browser.
+FRONTEND = "http://localhost:3000"
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,7 @@ def local(redis_server, tmp_path_factory):
         key_prefix=prefix,
         data_dir=tmp_path_factory.mktemp("local-data"),
         limits=LIMITS,
+        cors_origins=(FRONTEND,),
         engine=engine_config(),
     )
     assert not settings.auth_enabled
@@ -123,6 +128,50 @@ def test_a_cross_site_form_post_creates_nothing(local, http, raw_redis, content_
     assert keyspace(raw_redis, local.prefix) == before
     assert _session_ids(http) == sessions
     assert http.get(f"/sessions/{session}/messages").json() == history
+
+
+def _preflight(http: httpx.Client, origin: str) -> httpx.Response:
+    return http.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization",
+        },
+    )
+
+
+def test_the_named_frontend_may_call_from_a_browser_and_no_other_page(local, http, raw_redis):
+    granted = _preflight(http, FRONTEND)
+    assert granted.status_code == 204
+    assert granted.headers["access-control-allow-origin"] == FRONTEND
+    assert "POST" in granted.headers["access-control-allow-methods"]
+    assert {"content-type", "authorization"} <= {
+        h.strip() for h in granted.headers["access-control-allow-headers"].split(",")
+    }
+    assert "access-control-allow-credentials" not in granted.headers
+    for origin in ("http://attacker.example", "http://localhost:3001", "null", FRONTEND + ".evil"):
+        refused = _preflight(http, origin)
+        assert refused.status_code == 400
+        assert "access-control-allow-origin" not in refused.headers
+
+    # The frontend's fetch: served, and its answer readable by the page (with its ids).
+    created = http.post("/sessions", json={"system_prompt": "cors"}, headers={"Origin": FRONTEND})
+    assert created.status_code == 201, created.text
+    assert created.headers["access-control-allow-origin"] == FRONTEND
+    exposed = created.headers["access-control-expose-headers"].lower()
+    assert "x-request-id" in exposed and "x-prompt-cache-key" in exposed
+    # An error is readable too, so the page can show why.
+    form = http.post("/sessions", content=b"{}", headers={"Origin": FRONTEND})
+    assert form.status_code == 415
+    assert form.headers["access-control-allow-origin"] == FRONTEND
+    # Another page's answer carries no grant, so its browser keeps it from the page;
+    # and it cannot send JSON at all (its preflight was refused above).
+    before = keyspace(raw_redis, local.prefix)
+    other = http.post("/sessions", content=b"{}", headers={"Origin": "http://attacker.example"})
+    assert other.status_code == 415
+    assert "access-control-allow-origin" not in other.headers
+    assert keyspace(raw_redis, local.prefix) == before
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:

@@ -78,6 +78,58 @@ def test_bad_allowed_hosts_are_start_up_errors(env, match):
         Settings.from_env(env)
 
 
+def test_cors_origins_are_read_as_browsers_write_them():
+    settings = Settings.from_env(
+        {"CHATSVC_CORS_ORIGINS": "http://LocalHost:3000, tauri://localhost, https://*.chat.lan"}
+    )
+    assert settings.cors_allow_list() == [
+        "http://localhost:3000",
+        "tauri://localhost",
+        "https://*.chat.lan",
+    ]
+    assert Settings.from_env({}).cors_allow_list() == []
+    anything = Settings.from_env({"CHATSVC_API_KEYS": KEYS, "CHATSVC_CORS_ORIGINS": "*"})
+    assert anything.cors_allow_list() == ["*"]
+
+
+@pytest.mark.parametrize(
+    ("origins", "match"),
+    [
+        ("*", "needs CHATSVC_API_KEYS"),
+        ("localhost:3000", "not an origin"),
+        ("http://localhost:3000/", "not an origin"),
+        ("http://localhost:3000/app", "not an origin"),
+        ("null", "not an origin"),
+    ],
+)
+def test_bad_cors_origins_are_start_up_errors(origins, match):
+    with pytest.raises(SettingsError, match=match):
+        Settings.from_env({"CHATSVC_CORS_ORIGINS": origins})
+
+
+def _preflight_to(app, origin: str):
+    from litestar.testing import TestClient
+
+    # No lifespan: a preflight is answered before the service is even started.
+    client = TestClient(app)
+    return client.options(
+        "/v1/chat/completions",
+        headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+    )
+
+
+def test_no_origin_is_granted_unless_one_is_named():
+    from chatsvc.api.app import create_app
+
+    default = _preflight_to(create_app(Settings.from_env({})), "http://localhost:3000")
+    assert "access-control-allow-origin" not in default.headers
+    named = create_app(Settings.from_env({"CHATSVC_CORS_ORIGINS": "https://*.chat.lan"}))
+    granted = _preflight_to(named, "https://team.chat.lan")
+    assert granted.headers["access-control-allow-origin"] == "https://team.chat.lan"
+    for origin in ("https://chat.lan", "https://team.chat.lan.evil", "http://team.chat.lan"):
+        assert "access-control-allow-origin" not in _preflight_to(named, origin).headers
+
+
 @get("/ping", sync_to_thread=False)
 def _ping() -> dict[str, str]:
     return {"ok": "yes"}
