@@ -146,6 +146,15 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        # Connections the HTTP server's guards cut (chatsvc/api/http_server.py).
+        self.connections_cut = Counter(
+            "chatsvc_connections_cut",
+            "Connections closed on a slow client: head_timeout (no request head within "
+            "its deadline) or linger_limit (still sending a refused body when the "
+            "lingering close ended)",
+            ["reason"],
+            registry=r,
+        )
         self._tiers: Callable[[], dict[str, tuple[int, int]]] | None = None
 
     def sample_tiers_with(self, tiers: Callable[[], dict[str, tuple[int, int]]]) -> None:

@@ -21,11 +21,16 @@ a connection is half-closed instead: the answer is followed by a FIN, what the
 client still sends is read and dropped, and the socket closes once the client
 closes its side or stops sending for a while. Connections closed between requests
 (keep-alive expiry, shutdown) have nothing in flight and close at once, as before.
+
+A connection cut by either guard (no head in time; still sending when the lingering
+close's limit ends it) is counted in ``chatsvc_connections_cut_total{reason}``, so an
+operator sees slow clients, or a slow-loris, at work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +57,15 @@ _STILL_SENDING = (h11.SEND_BODY, h11.ERROR)
 class _LingeringTransport:
     """The connection's transport, whose ``close`` lingers while the client still sends."""
 
-    def __init__(self, transport: asyncio.Transport, still_sending: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        still_sending: Callable[[], bool],
+        on_cut: Callable[[str], None],
+    ) -> None:
         self._transport = transport
         self._still_sending = still_sending
+        self._on_cut = on_cut
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
         self.lingering = False
@@ -82,8 +93,15 @@ class _LingeringTransport:
         """Bytes came while lingering: wait LINGER_IDLE_S more, within LINGER_S."""
         self.stop()
         loop = asyncio.get_running_loop()
-        wait = min(LINGER_IDLE_S, self._deadline - loop.time())
-        self._timer = loop.call_later(max(wait, 0.0), self._transport.close)
+        left = self._deadline - loop.time()
+        if left < LINGER_IDLE_S:  # the client may still be sending when this fires
+            self._timer = loop.call_later(max(left, 0.0), self._cut)
+        else:
+            self._timer = loop.call_later(LINGER_IDLE_S, self._transport.close)
+
+    def _cut(self) -> None:
+        self._on_cut("linger_limit")
+        self._transport.close()
 
     def close_now(self) -> None:
         """Close without waiting, lingering or not."""
@@ -107,9 +125,13 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request's head and a lingering
     close for a connection the client still sends on."""
 
+    def __init__(self, *args: Any, on_cut: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_cut = on_cut
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.closing = _LingeringTransport(
-            transport, lambda: self.conn.their_state in _STILL_SENDING
+            transport, lambda: self.conn.their_state in _STILL_SENDING, self.on_cut
         )
         self.headed: object = None  # the request whose head arrived last
         self.head_timer: asyncio.TimerHandle | None = None
@@ -129,6 +151,7 @@ class GuardedH11Protocol(H11Protocol):
     def head_late(self) -> None:
         self.head_timer = None
         if self.cycle is self.headed:  # still no new request: nobody is waiting on one
+            self.on_cut("head_timeout")
             self.closing.close()
 
     def data_received(self, data: bytes) -> None:
@@ -167,4 +190,17 @@ class GuardedH11Protocol(H11Protocol):
 
 def uvicorn_config(app: Any, host: str, port: int, **options: Any) -> uvicorn.Config:
     """The uvicorn config of ``python -m chatsvc serve`` and of the in-process test servers."""
-    return uvicorn.Config(app, host=host, port=port, http=GuardedH11Protocol, **options)
+    protocol = functools.partial(GuardedH11Protocol, on_cut=_cut_counter(app))
+    return uvicorn.Config(app, host=host, port=port, http=protocol, **options)
+
+
+def _cut_counter(app: Any) -> Callable[[str], None]:
+    """Counts a guard's cut in the app's metrics, once its services run (a connection cut
+    during start-up, or under an app without them, is not counted)."""
+
+    def count(reason: str) -> None:
+        services = getattr(getattr(app, "state", None), "services", None)
+        if services is not None:
+            services.metrics.connections_cut.labels(reason).inc()
+
+    return count

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.live_server import wait_until
+from chatsvc.api import http_server
 from tests.api.conftest import new_session, say, unique
 
 
@@ -68,6 +72,26 @@ def test_metrics_count_prompt_and_cached_tokens(admin, acme):
     assert delta("chatsvc_time_to_first_token_seconds_count") == 2
     assert after[("chatsvc_kv_cache_blocks_total", (("tier", "device"),))] > 0
     assert ("chatsvc_kv_cache_usage_ratio", (("tier", "host"),)) in after
+
+
+def test_a_connection_cut_by_the_head_deadline_shows_in_the_metrics(admin, api, monkeypatch):
+    def cuts() -> float:
+        samples = _samples(admin.get("/metrics").text)
+        return samples.get(("chatsvc_connections_cut_total", (("reason", "head_timeout"),)), 0)
+
+    before = cuts()
+    # Only the silent connection gets the short deadline (each takes it when armed): the
+    # admin's keep-alive connection keeps the 30 s one, and no other cut is counted.
+    connections = api.server.server_state.connections
+    open_before = len(connections)
+    with monkeypatch.context() as patch:
+        patch.setattr(http_server, "HEAD_TIMEOUT_S", 2.0)
+        silent = socket.create_connection(("127.0.0.1", api.port), timeout=30)
+        wait_until(lambda: len(connections) > open_before, 10, "the server to take it")
+    with silent:
+        silent.settimeout(20)
+        assert silent.recv(1) == b""  # closed by the server, unanswered
+    wait_until(lambda: cuts() == before + 1, 10, "the cut to be counted")
 
 
 def test_health_and_readiness_need_no_key(api):

@@ -2,8 +2,10 @@
 and an answer given while the client is still sending reaches it whole, the
 half-closed connection bounded in time (the lingering close).
 
-A small app with the service's own body guards, under the same uvicorn config as
-``python -m chatsvc serve``; no model is needed to test how a connection ends.
+A small app with the service's own body guards and metrics, under the same uvicorn
+config as ``python -m chatsvc serve``; no model is needed to test how a connection
+ends. A cut (a head too late, a client still sending when the lingering close ends)
+is counted; a connection that ends on its own is not.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from litestar import Litestar, Request, get, post
+from litestar.datastructures import State
 
 from bench.live_server import ThreadServer, wait_until
 from chatsvc.api import http_server
 from chatsvc.api.shared.body_limit import body_limit_middleware
 from chatsvc.api.shared.body_timeout import body_timeout_middleware
+from chatsvc.metrics import Metrics
 
 BODY_DEADLINE_S = 1.0
 MAX_BODY_BYTES = 1_000_000
@@ -45,7 +50,17 @@ def _app() -> Litestar:
             body_timeout_middleware(BODY_DEADLINE_S),
             body_limit_middleware(MAX_BODY_BYTES),
         ],
+        # Where the service's app keeps its metrics (chatsvc.service.Services.metrics).
+        state=State({"services": SimpleNamespace(metrics=Metrics())}),
     )
+
+
+def _cuts(server: ThreadServer) -> dict[str, float]:
+    registry = server.app.state.services.metrics.registry
+    return {
+        reason: registry.get_sample_value("chatsvc_connections_cut_total", {"reason": reason}) or 0
+        for reason in ("head_timeout", "linger_limit")
+    }
 
 
 @pytest.fixture
@@ -124,6 +139,7 @@ def test_a_client_that_never_stops_sending_is_cut_off(server, monkeypatch):
                 sock.sendall(b"x" * 64)  # a byte stream well inside the idle wait
                 time.sleep(0.05)
         assert _connections(server) == 0
+    assert _cuts(server) == {"head_timeout": 0, "linger_limit": 1}
 
 
 def test_a_client_that_goes_quiet_is_closed_after_the_idle_wait(server, monkeypatch):
@@ -133,6 +149,7 @@ def test_a_client_that_goes_quiet_is_closed_after_the_idle_wait(server, monkeypa
         assert _read_answer(sock).startswith(b"HTTP/1.1 413")
         # Neither reading to the end nor closing: only the idle wait ends it.
         wait_until(lambda: _connections(server) == 0, 10, "the lingering close to end")
+    assert _cuts(server) == {"head_timeout": 0, "linger_limit": 0}  # it had stopped sending
 
 
 def test_a_request_read_whole_keeps_its_connection_alive(server):
@@ -144,6 +161,7 @@ def test_a_request_read_whole_keeps_its_connection_alive(server):
             assert answer.startswith(b"HTTP/1.1 201"), answer
             assert answer.endswith(b'{"a":1}')
         assert _connections(server) == 1
+    assert _cuts(server) == {"head_timeout": 0, "linger_limit": 0}
 
 
 def test_a_server_stopping_waits_for_no_lingering_client(monkeypatch):
@@ -187,6 +205,7 @@ def test_a_connection_that_sends_nothing_is_closed_at_the_head_deadline(server, 
         # It had been held until the client went away (uvicorn times only keep-alive).
         assert _closed_by_server(sock, 20)
     wait_until(lambda: _connections(server) == 0, 10, "the connection to close")
+    assert _cuts(server) == {"head_timeout": 1, "linger_limit": 0}
 
 
 def test_a_head_trickled_in_is_cut_at_its_deadline_also_after_an_answer(server, monkeypatch):
@@ -213,3 +232,4 @@ def test_a_head_trickled_in_is_cut_at_its_deadline_also_after_an_answer(server, 
         assert cut, "the trickled head was never cut off"
         assert time.monotonic() - started < len(head) * 0.05  # before it was all sent
     wait_until(lambda: _connections(server) == 0, 10, "the connection to close")
+    assert _cuts(server) == {"head_timeout": 1, "linger_limit": 0}
