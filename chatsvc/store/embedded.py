@@ -259,8 +259,9 @@ class EmbeddedRedis:
             raise EmbeddedRedisError("the embedded server is already running")
         self._take_dir_lock(timeout_s)
         try:
-            if self.unix_socket is None:
-                self.unix_socket = socket_path(self.data_dir, self._explicit_socket)
+            # Every start: the same path for the same data dir (clients reconnect), its
+            # directory made again if a stop removed it.
+            self.unix_socket = socket_path(self.data_dir, self._explicit_socket)
             command = self._command_line()
             self._keeper = _Keeper(
                 lambda: subprocess.Popen(
@@ -329,7 +330,20 @@ class EmbeddedRedis:
         finally:
             self._process = None
             self._release_keeper()
+            self._remove_socket_dir()
             self._drop_dir_lock()
+
+    def _remove_socket_dir(self) -> None:
+        # The temp-dir fallback (socket_path) is ours alone; left behind, every data dir
+        # ever served would leave one in /tmp. Empty once the server removed its socket
+        # on a clean shutdown; anything else in it (a killed server's socket) stays.
+        sock = self.unix_socket
+        if sock is None or self._explicit_socket is not None or sock.parent == self.data_dir:
+            return
+        try:
+            sock.parent.rmdir()
+        except OSError:
+            pass
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash would; what the AOF holds survives."""

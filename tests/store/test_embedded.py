@@ -270,14 +270,22 @@ async def test_a_data_dir_too_long_for_a_socket_path_gets_a_private_socket_dir(t
         store = await Store.connect(server.url, prefix="p")
         assert await store.tenants.by_name(tenant.name) == tenant
         await store.close()
+    # Stopped cleanly: the private dir goes with its socket, nothing is left in /tmp.
+    assert not sock.parent.exists()
 
 
 def test_a_socket_dir_someone_else_made_is_refused(tmp_path, monkeypatch):
     data = tmp_path / ("d" * 60) / ("e" * 60)
     planted = socket_path(data).parent  # made by "us" here; then seen as another user's
-    monkeypatch.setattr(os, "geteuid", lambda: planted.stat().st_uid + 1)
-    with pytest.raises(SocketPathError, match="owned by uid"):
-        socket_path(data)
+    uid = planted.stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    try:
+        with pytest.raises(SocketPathError, match="owned by uid"):
+            socket_path(data)
+    finally:
+        planted.rmdir()
+        # The name for that other uid, made (and then refused) on the way.
+        planted.with_name(planted.name.replace(f"-{uid}-", f"-{uid + 1}-", 1)).rmdir()
 
 
 def test_an_explicit_socket_path_over_the_limit_is_refused(tmp_path):
