@@ -65,13 +65,15 @@ def _serving_on(port: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_bench_killed_by_a_timeout_leaves_no_service_behind():
+def test_a_bench_killed_by_a_timeout_leaves_no_service_behind(tmp_path):
     """A SIGKILLed bench (a test's timeout) must not leave its service, and with it an
     embedded Valkey, running on the machine."""
     port = free_port()
     bench = subprocess.Popen(
         [sys.executable, "-m", "bench.first_requests", "--port", str(port), "--requests", "2"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # Killed, the bench cannot remove its data dir: it goes where pytest cleans up.
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
