@@ -85,6 +85,13 @@ def test_n_seed_and_stop(sdk, model):
     assert " " not in stopped.message.content and "\n" not in stopped.message.content
 
 
+def test_the_model_is_retrieved_by_its_id(sdk, model):
+    assert sdk.models.retrieve(model) == sdk.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.models.retrieve("gpt-4o")
+    assert missing.value.body["type"] == "model_not_found"
+
+
 def test_errors_surface_as_sdk_exceptions(sdk, model):
     with pytest.raises(openai.NotFoundError):
         sdk.chat.completions.create(model="no-such-model", messages=_messages("hi"))

@@ -1,9 +1,10 @@
-"""``GET /v1/models``: the one model this server serves, and the check every request's
-``model`` field goes through."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server serves, and
+the check every request's ``model`` field goes through."""
 
 from __future__ import annotations
 
 from litestar import Controller, get
+from litestar.params import FromPath
 
 from chatsvc.api.openai.schemas import Model, ModelList
 from chatsvc.api.shared.deps import ServicesDep, TenantDep
@@ -16,14 +17,28 @@ class ModelsController(Controller):
 
     @get("/models", summary="The served model", responses=documented_errors(400, 401, 503))
     async def list_models(self, services: ServicesDep, tenant: TenantDep) -> ModelList:
-        engine = services.engine
-        model = Model(
-            id=engine.model_name,
-            created=services.started,
-            max_model_len=engine.max_context_len,
-            kv_block_size=engine.info.block_size,
-        )
-        return ModelList(data=[model])
+        return ModelList(data=[_served(services)])
+
+    @get(
+        "/models/{model_id:str}",
+        summary="The served model by its id (the openai SDK's models.retrieve)",
+        responses=documented_errors(400, 401, 404, 503),
+    )
+    async def retrieve_model(
+        self, model_id: FromPath[str], services: ServicesDep, tenant: TenantDep
+    ) -> Model:
+        check_model(services, model_id)
+        return _served(services)
+
+
+def _served(services: ServicesDep) -> Model:
+    engine = services.engine
+    return Model(
+        id=engine.model_name,
+        created=services.started,
+        max_model_len=engine.max_context_len,
+        kv_block_size=engine.info.block_size,
+    )
 
 
 def check_model(services: ServicesDep, model: str | None) -> None:
