@@ -25,6 +25,9 @@ from chatsvc.token_ids import first_bad_token_id
 
 # End-of-turn markers of common chat templates; those present in a tokenizer's vocabulary
 # and used by its template stop generation besides eos.
+# Marks where the final message's content ends in a rendering (render_continuation):
+# invisible separators around a name no text holds by chance.
+_CUT_MARK = "\u2063chatsvc-continue-here\u2063"
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
 
 
@@ -73,6 +76,39 @@ class ChatFormat:
         """Token ids of the whole conversation (generation prompt appended by default)."""
         rendering = self._render(messages, add_generation_prompt)
         ids = self._token_ids(rendering, 0)
+        assert ids is not None  # offset 0 never cuts a control token
+        return ids
+
+    def render_continuation(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of the conversation with its final message left open, so that the
+        model continues that message (a partial answer given as the last message).
+
+        The template renders the final message closed; the tokens end where its content
+        ends, found by rendering it once more with a marker after the content (searching
+        for the content itself could land in the template's own text after it). A
+        template that rewrites the content (trims it, say) leaves no place to cut:
+        refused. An empty final message continues from the turn's opening, which is the
+        generation prompt of the messages before it.
+        """
+        _validate(messages)
+        content = messages[-1]["content"]
+        if not content:
+            return self.render(messages[:-1]) if len(messages) > 1 else []
+        rendering = self._render(messages, add_generation_prompt=False)
+        marked = [*messages[:-1], {**messages[-1], "content": content + _CUT_MARK}]
+        marked_text = self._apply_template(marked, add_generation_prompt=False)
+        end = marked_text.find(_CUT_MARK)
+        if (
+            end < len(content)
+            or marked_text[:end] != rendering.text[:end]
+            or not rendering.text[:end].endswith(content)
+            or any(s < end < e for s, e, _ in rendering.controls)
+        ):
+            raise RequestValidationError(
+                "the chat template rewrites the final message, so it cannot be continued"
+            )
+        kept = tuple(c for c in rendering.controls if c[1] <= end)
+        ids = self._token_ids(Rendering(rendering.text[:end], kept, rendering.masked), 0)
         assert ids is not None  # offset 0 never cuts a control token
         return ids
 

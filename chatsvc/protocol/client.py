@@ -37,6 +37,10 @@ class ChatTemplate(Protocol):
         """Token ids of the whole conversation (generation prompt appended by default)."""
         ...
 
+    def render_continuation(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of the conversation with its final message left open (to be continued)."""
+        ...
+
     def extend(
         self, prev_token_ids: Sequence[int], messages: Sequence[Mapping[str, str]]
     ) -> tuple[list[int], bool]:

@@ -429,6 +429,60 @@ def test_an_answer_replayed_as_the_sdk_dumps_it_is_the_same_history(sdk, model, 
     assert len(recorded) == before
 
 
+def test_a_final_assistant_message_is_continued_on_request(sdk, model, acme, recorded):
+    partial = {"role": "assistant", "content": "The three primary colors are"}
+    messages = [*chat("Name the primary colors."), partial]
+    ids = tokenize(acme, messages=messages, continue_final_message=True)["tokens"]
+    opened = tokenize(acme, messages=messages[:1])["tokens"]
+    assert ids[: len(opened)] == opened  # the answer's turn opened, then the partial, open
+    kwargs = dict(model=model, max_tokens=8, temperature=0)
+    continued = sdk.chat.completions.create(
+        messages=messages, extra_body={"continue_final_message": True}, **kwargs
+    )
+    assert recorded[-1].request.prompt_token_ids == ids
+    # The answer is the continuation alone: the model's greedy tokens after those ids.
+    same = sdk.completions.create(prompt=ids, **kwargs)
+    assert continued.choices[0].message.content == same.choices[0].text != ""
+    # vLLM's spelling (add_generation_prompt false beside it) asks the same.
+    sdk.chat.completions.create(
+        messages=messages,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        **kwargs,
+    )
+    assert recorded[-1].request.prompt_token_ids == ids
+
+
+def test_a_prompt_may_end_without_the_answers_turn_opened(sdk, model, acme, recorded):
+    messages = chat("Say yes.")
+    closed = tokenize(acme, messages=messages, add_generation_prompt=False)["tokens"]
+    sdk.chat.completions.create(
+        model=model, messages=messages, max_tokens=2, extra_body={"add_generation_prompt": False}
+    )
+    assert recorded[-1].request.prompt_token_ids == closed
+
+
+@pytest.mark.parametrize(
+    ("ending", "fields", "named"),
+    [
+        ("assistant", {}, "continue_final_message"),
+        ("user", {"continue_final_message": True}, "the last message is the user's"),
+        (
+            "assistant",
+            {"continue_final_message": True, "add_generation_prompt": True},
+            "cannot both be true",
+        ),
+    ],
+)
+def test_what_cannot_be_continued_is_a_400(sdk, model, recorded, ending, fields, named):
+    messages = chat("Hi.")
+    if ending == "assistant":
+        messages.append({"role": "assistant", "content": "Hello"})
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=fields)
+    assert named in str(info.value)
+    assert recorded == []
+
+
 BAD_COMPLETION = [
     ({"suffix": "and then"}, "suffix"),
     ({"logprobs": 21}, "logprobs"),

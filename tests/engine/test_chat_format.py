@@ -94,6 +94,36 @@ def test_template_that_rewrites_history_is_not_reused(smollm2_fp32):
 
 
 @pytest.mark.parametrize(
+    "partial", ["The answer is", "ends in a newline\n", "\n", "<|im_end|>", "a <|im_start|>b"]
+)
+def test_a_continued_message_is_left_open_right_after_its_content(chat, partial):
+    question = {"role": "user", "content": "What is 2 + 2?"}
+    ids = chat.render_continuation([question, {"role": "assistant", "content": partial}])
+    opened = chat.render([question])  # up to the answer's turn opened
+    # (Not opened + the partial's ids: a partial "\n" joins the header's "\n" in one
+    # token, as any message's content does when the whole rendering is tokenized.)
+    assert chat.decode(ids) == chat.decode(opened) + partial
+    # Content is text: a control token's spelling in it is not the control token.
+    assert _controls(chat, ids) == _controls(chat, opened)
+    empty = chat.render_continuation([question, {"role": "assistant", "content": ""}])
+    assert empty == opened
+
+
+def test_a_template_that_rewrites_the_final_message_cannot_continue_it(smollm2_fp32):
+    tokenizer = load_tokenizer(smollm2_fp32.path)  # a private copy: we change its template
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+        "<|im_end|>\n{% endfor %}"
+    )
+    chat = ChatFormat(tokenizer)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well, "}]
+    with pytest.raises(RequestValidationError, match="cannot be continued"):
+        chat.render_continuation(messages)
+    messages[-1]["content"] = "Well,"  # nothing to trim: the cut is found
+    assert chat.decode(chat.render_continuation(messages)).endswith("assistant\nWell,")
+
+
+@pytest.mark.parametrize(
     "messages",
     [[], "hello", [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": 3}]],
 )

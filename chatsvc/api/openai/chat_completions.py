@@ -162,6 +162,33 @@ def template_messages(services: ServicesDep, messages: list[ChatMessage]) -> lis
     return converted
 
 
+async def render_prompt(
+    services: Services,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool | None,
+    continue_final_message: bool,
+) -> list[int]:
+    """The prompt's token ids, as vLLM's chat extensions ask: by default the template's
+    generation prompt opens the answer's turn; ``continue_final_message`` leaves the
+    final message (the assistant's) open and the answer continues it;
+    ``add_generation_prompt: false`` alone ends the prompt with the last message."""
+    chat_format = services.engine.chat_format
+    last = messages[-1]["role"]
+    if continue_final_message:
+        if add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        if last != "assistant":
+            raise InvalidRequestError(
+                "continue_final_message continues the assistant's message: the last "
+                f"message is the {last}'s"
+            )
+        return await format_chat(chat_format.render_continuation, messages)
+    generation_prompt = add_generation_prompt is not False
+    return await format_chat(chat_format.render, messages, generation_prompt)
+
+
 async def named_system_prompt(
     services: Services, tenant: TenantRecord, prompt_id: str | None, messages: list[dict]
 ) -> SystemPromptRecord | None:
@@ -211,8 +238,11 @@ async def _build_request(
         raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
     messages = template_messages(services, data.messages)
     system = await named_system_prompt(services, tenant, data.system_prompt_id, messages)
-    if messages[-1]["role"] == "assistant":
-        raise InvalidRequestError("the last message must not be the assistant's")
+    if messages[-1]["role"] == "assistant" and not data.continue_final_message:
+        raise InvalidRequestError(
+            "the last message must not be the assistant's (to continue it, send "
+            "continue_final_message: true)"
+        )
     requested = data.max_completion_tokens if data.max_tokens is None else data.max_tokens
     sampling, requested = build_sampling(
         services,
@@ -223,7 +253,9 @@ async def _build_request(
         length_penalty=data.length_penalty,
         early_stopping=data.early_stopping,
     )
-    prompt = await format_chat(services.engine.chat_format.render, messages)
+    prompt = await render_prompt(
+        services, messages, data.add_generation_prompt, data.continue_final_message
+    )
     sampling = fit_context(services, len(prompt), sampling, requested)
     labels = {"tenant": tenant.id}
     if system is not None:

@@ -77,6 +77,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     beam_width: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # Extensions (extra_body), vLLM's: the answer continues the final (assistant's)
+    # message; or the prompt ends without the answer's turn opened (None: opened,
+    # unless the final message is continued). See chat_completions.render_prompt.
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
     # OpenAI fields accepted at their neutral value only (see refused_fields). Chat
     # completions are not stored here (``store: true`` is refused), so ``metadata`` is
     # checked and kept nowhere, as OpenAI does without ``store``.

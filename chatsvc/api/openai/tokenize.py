@@ -14,7 +14,7 @@ import msgspec
 from litestar import Controller, get, post
 from litestar.params import JSONBody
 
-from chatsvc.api.openai.chat_completions import template_messages
+from chatsvc.api.openai.chat_completions import render_prompt, template_messages
 from chatsvc.api.openai.completions import encode_text
 from chatsvc.api.openai.logprob_views import token_texts
 from chatsvc.api.openai.models import check_model
@@ -33,7 +33,8 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -93,7 +94,9 @@ class TokenizeController(Controller):
                     "writes the special tokens"
                 )
             messages = template_messages(services, data.messages)
-            ids = await format_chat(engine.chat_format.render, messages, data.add_generation_prompt)
+            ids = await render_prompt(
+                services, messages, data.add_generation_prompt, data.continue_final_message
+            )
         strs = token_texts(engine.tokenizer).token_strs(ids) if data.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=engine.max_context_len, tokens=ids, token_strs=strs
