@@ -67,6 +67,9 @@ def test_probes_answer_while_warming_and_nothing_else_is_served(redis_server, mo
 
             wait_until(lambda: phase() == "warming up", 300, "the warm-up to begin")
             assert http.get("/healthz").status_code == 200
+            # vLLM's, SGLang's, TGI's and llama.cpp's probe: not ready yet, as /readyz says.
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json() == http.get("/readyz").json()
             admin = {"Authorization": f"Bearer {ADMIN}"}
             assert http.get("/metrics", headers=admin).status_code == 200
             auth = {"Authorization": f"Bearer {KEY}"}
@@ -85,6 +88,7 @@ def test_probes_answer_while_warming_and_nothing_else_is_served(redis_server, mo
 
             release.set()
             wait_until(lambda: http.get("/readyz").status_code == 200, 300, "ready")
+            assert http.get("/health").status_code == 200
             # The warm-up ran shapes through the engine and left its cache as it was.
             cache = http.get("/admin/cache", headers=admin)
             engine = cache.json()["engine"]

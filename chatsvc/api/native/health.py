@@ -19,8 +19,10 @@ async def healthz() -> Health:
     return Health(status="ok")
 
 
+# "/health" is the readiness probe's name on vLLM, SGLang, TGI and llama.cpp's server
+# (each answers 200 there only once its model serves), so their probes work unchanged.
 @get(
-    "/readyz",
+    ["/readyz", "/health"],
     summary="Redis answers PING and the engine is loaded, warmed up and serving",
     tags=["health"],
     responses={503: ResponseSpec(Health, description="Not ready", generate_examples=False)},

@@ -18,7 +18,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from chatsvc.api.shared.errors import ServiceUnavailableError
 
 # What an orchestrator and an operator read during start-up.
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/metrics"})
 # Seconds a refused client waits: warm-up takes seconds, not minutes.
 RETRY_AFTER_S = 2
 
