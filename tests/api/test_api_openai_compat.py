@@ -389,6 +389,7 @@ NEUTRAL_CHAT = {
     "modalities": ["text"],
     "service_tier": "auto",
     "prompt_cache_retention": "in_memory",
+    "top_logprobs": 0,
 }
 
 

@@ -216,7 +216,7 @@ async def named_system_prompt(
 
 def _logprobs_of(data: ChatCompletionRequest) -> int | None:
     """The engine's ``logprobs`` (None = off) from OpenAI's logprobs / top_logprobs."""
-    if data.top_logprobs is not None and not data.logprobs:
+    if data.top_logprobs and not data.logprobs:  # 0 asks for nothing (vLLM: the same)
         raise InvalidRequestError("top_logprobs needs logprobs: true")
     if not data.logprobs:
         return None
