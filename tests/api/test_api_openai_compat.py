@@ -419,7 +419,13 @@ def test_an_answer_replayed_as_the_sdk_dumps_it_is_the_same_history(sdk, model, 
 
     tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     before = len(recorded)
-    for field, value in (("tool_calls", [tool_call]), ("refusal", "No."), ("audio", {"id": "a"})):
+    refused = (
+        ("tool_calls", [tool_call]),
+        ("function_call", tool_call["function"]),
+        ("refusal", "No."),
+        ("audio", {"id": "a"}),
+    )
+    for field, value in refused:
         with pytest.raises(openai.BadRequestError) as info:
             sdk.chat.completions.create(
                 model=model,

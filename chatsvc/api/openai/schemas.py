@@ -42,8 +42,10 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             refused.append("refusal (only null: send a refused turn's text as content)")
         if self.audio is not None:
             refused.append("audio (the model takes text only)")
-        if self.function_call is not None or self.tool_calls:
+        if self.tool_calls:
             refused.append("tool_calls (this server runs no tools)")
+        if self.function_call is not None:
+            refused.append("function_call (this server runs no tools)")
         return refused
 
     def text(self) -> str:
