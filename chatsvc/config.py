@@ -36,10 +36,10 @@ _REPLICA_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 # Names a local-mode server answers to by default (any port): a page that
 # rebinds its own DNS name to 127.0.0.1 still sends its own name as Host.
 LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]")
-# A DNS name or an IPv4 address (no port, no path); IPv6 literals are checked apart.
 # A web origin as browsers send it: scheme://host[:port], nothing after (a desktop
 # app's own scheme, tauri://localhost, included); "*" may stand for any part.
 _ORIGIN_RE = re.compile(r"^[a-z*][a-z0-9+.*-]*://[a-z0-9*_.:\[\]-]+$", re.IGNORECASE)
+# A DNS name or an IPv4 address (no port, no path); IPv6 literals are checked apart.
 _HOST_NAME_RE = re.compile(r"^[a-z0-9_]([a-z0-9_.-]{0,251}[a-z0-9_])?$")
 
 

@@ -23,11 +23,11 @@ from chatsvc.engine.detokenizer import CONTEXT_TOKENS
 from chatsvc.protocol import RequestValidationError
 from chatsvc.token_ids import first_bad_token_id
 
-# End-of-turn markers of common chat templates; those present in a tokenizer's vocabulary
-# and used by its template stop generation besides eos.
 # Marks where the final message's content ends in a rendering (render_continuation):
 # invisible separators around a name no text holds by chance.
 _CUT_MARK = "\u2063chatsvc-continue-here\u2063"
+# End-of-turn markers of common chat templates; those present in a tokenizer's vocabulary
+# and used by its template stop generation besides eos.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
 
 
@@ -87,13 +87,10 @@ class ChatFormat:
         ends, found by rendering it once more with a marker after the content (searching
         for the content itself could land in the template's own text after it). A
         template that rewrites the content (trims it, say) leaves no place to cut:
-        refused. An empty final message continues from the turn's opening, which is the
-        generation prompt of the messages before it.
+        refused. An empty final message continues from the turn's opening.
         """
         _validate(messages)
         content = messages[-1]["content"]
-        if not content:
-            return self.render(messages[:-1]) if len(messages) > 1 else []
         rendering = self._render(messages, add_generation_prompt=False)
         marked = [*messages[:-1], {**messages[-1], "content": content + _CUT_MARK}]
         marked_text = self._apply_template(marked, add_generation_prompt=False)

@@ -107,6 +107,8 @@ def test_a_continued_message_is_left_open_right_after_its_content(chat, partial)
     assert _controls(chat, ids) == _controls(chat, opened)
     empty = chat.render_continuation([question, {"role": "assistant", "content": ""}])
     assert empty == opened
+    alone = chat.render_continuation([{"role": "assistant", "content": ""}])
+    assert chat.decode(alone).endswith("<|im_start|>assistant\n")
 
 
 def test_a_template_that_rewrites_the_final_message_cannot_continue_it(smollm2_fp32):
