@@ -99,6 +99,10 @@ def test_health_and_readiness_need_no_key(api):
     ready = httpx.get(api.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["checks"] == {"engine": "ok", "store": "ok"}
+    assert httpx.get(api.url + "/health").json() == ready.json()
+    for path in ("/healthz", "/readyz", "/health"):  # uptime monitors probe with HEAD
+        head = httpx.head(api.url + path)
+        assert head.status_code == 200 and head.content == b""
 
 
 def test_openapi_schema_documents_every_endpoint(api):

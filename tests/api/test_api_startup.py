@@ -70,6 +70,7 @@ def test_probes_answer_while_warming_and_nothing_else_is_served(redis_server, mo
             # vLLM's, SGLang's, TGI's and llama.cpp's probe: not ready yet, as /readyz says.
             health = http.get("/health")
             assert health.status_code == 503 and health.json() == http.get("/readyz").json()
+            assert http.head("/health").status_code == 503
             admin = {"Authorization": f"Bearer {ADMIN}"}
             assert http.get("/metrics", headers=admin).status_code == 200
             auth = {"Authorization": f"Bearer {KEY}"}

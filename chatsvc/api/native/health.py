@@ -1,9 +1,13 @@
-"""Liveness and readiness probes (no auth: load balancers and orchestrators call them)."""
+"""Liveness and readiness probes (no auth: load balancers and orchestrators call them).
+
+Each answers HEAD as well as GET (the same status, no body): uptime monitors and some
+load balancers probe with HEAD.
+"""
 
 from __future__ import annotations
 
 import msgspec
-from litestar import Response, get
+from litestar import Response, route
 from litestar.openapi.datastructures import ResponseSpec
 
 from chatsvc.api.shared.deps import ServicesDep
@@ -14,15 +18,19 @@ class Health(msgspec.Struct, kw_only=True):
     checks: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-@get("/healthz", summary="The process is up", tags=["health"])
+_PROBE = ["GET", "HEAD"]
+
+
+@route("/healthz", http_method=_PROBE, summary="The process is up", tags=["health"])
 async def healthz() -> Health:
     return Health(status="ok")
 
 
 # "/health" is the readiness probe's name on vLLM, SGLang, TGI and llama.cpp's server
 # (each answers 200 there only once its model serves), so their probes work unchanged.
-@get(
+@route(
     ["/readyz", "/health"],
+    http_method=_PROBE,
     summary="Redis answers PING and the engine is loaded, warmed up and serving",
     tags=["health"],
     responses={503: ResponseSpec(Health, description="Not ready", generate_examples=False)},
