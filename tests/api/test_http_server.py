@@ -128,8 +128,10 @@ def test_a_body_that_goes_on_after_its_408_is_read_and_dropped(server):
 
 
 def test_a_client_that_never_stops_sending_is_cut_off(server, monkeypatch):
-    monkeypatch.setattr(http_server, "LINGER_S", 1.0)
-    monkeypatch.setattr(http_server, "LINGER_IDLE_S", 0.5)
+    # The idle wait is 20 of the client's sending intervals: only a stall that long on a
+    # loaded machine would end it as idle (not a cut) instead of at LINGER_S.
+    monkeypatch.setattr(http_server, "LINGER_S", 2.0)
+    monkeypatch.setattr(http_server, "LINGER_IDLE_S", 1.0)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(_head(MAX_BODY_BYTES * 1000))  # refused on its length alone
         assert select.select([sock], [], [], 10)[0], "no 413"
