@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Separate virtual environments for the client tools the compatibility runs use:
-# lm-evaluation-harness and NVIDIA's AIPerf. Never installed into the project's
-# .venv: their dependency pins are theirs, not the service's.
+# lm-evaluation-harness, NVIDIA's AIPerf, and the agent frameworks (LangChain, the
+# OpenAI Agents SDK, Pydantic AI). Never installed into the project's .venv: their
+# dependency pins are theirs, not the service's.
 #
-#   bench/compat/envs.sh [lmeval|aiperf|all]     (default: all)
+#   bench/compat/envs.sh [lmeval|aiperf|frameworks|all]     (default: all)
 #
 # Environments go under .chatsvc/venvs/ (git-ignored); an existing one is kept.
 # torch is installed first and pinned, so lm-eval's `torch` requirement does not
@@ -31,4 +32,8 @@ if [ "$which" = lmeval ] || [ "$which" = all ]; then
 fi
 if [ "$which" = aiperf ] || [ "$which" = all ]; then
   make_env aiperf "aiperf==${AIPERF_VERSION:-0.13.0}"
+fi
+if [ "$which" = frameworks ] || [ "$which" = all ]; then
+  make_env frameworks "langchain-openai==1.8.1" "openai-agents==0.24.0" \
+    "pydantic-ai-slim[openai]==2.78.0"
 fi

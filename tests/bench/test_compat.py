@@ -1,8 +1,10 @@
-"""The compatibility runs' own pieces: lm-eval's local tasks and the score comparison.
+"""The compatibility runs' own pieces: lm-eval's local tasks, the score comparison, the
+frameworks' report.
 
-The runs themselves (lm-eval, AIPerf against a live service) are scripts:
-``python -m bench.compat.eval_scores --limit 10`` and
-``python -m bench.compat.aiperf_profiles --smoke`` (docs/openai.md).
+The runs themselves (lm-eval, AIPerf, the agent frameworks against a live service)
+are scripts: ``python -m bench.compat.eval_scores --limit 10``,
+``python -m bench.compat.aiperf_profiles --smoke`` and
+``python -m bench.compat.frameworks`` (docs/openai.md).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.compat import eval_scores
+from bench.compat import eval_scores, frameworks
 from bench.compat.lmeval.make_data import HERE, as_jsonl, datasets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,3 +60,13 @@ def test_per_item_comparison_reads_lm_evals_logged_samples(tmp_path):
     assert "identical generations 1/1" in eval_scores.per_item(
         tmp_path, "ours", "hf", "chatsvc_gen"
     )
+
+
+def test_the_frameworks_report_has_a_row_per_framework_in_turn_order():
+    records = [
+        {"framework": "a", "turn": 1, "prompt_tokens": 40, "cached_tokens": 0},
+        {"framework": "b", "turn": 1, "prompt_tokens": 41, "cached_tokens": 16},
+        {"framework": "a", "turn": 2, "prompt_tokens": 90, "cached_tokens": 80},
+    ]
+    rows = frameworks.report(records).splitlines()[2:]
+    assert rows == ["| a | 2 | 40 / 90 | 0 / 80 |", "| b | 1 | 41 | 16 |"]
