@@ -28,7 +28,15 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from bench.compat.tools import RESULTS, default_model_dir, offline_env, our_server, run, tool
+from bench.compat.tools import (
+    RESULTS,
+    default_model_dir,
+    offline_env,
+    our_server,
+    run,
+    served_model,
+    tool,
+)
 
 PROFILES: dict[str, list[str]] = {
     "chat": [
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with server as running:
         url = args.url or running.base_url
-        model = _served_model(url) if running is None else running.model
+        model = served_model(url) if running is None else running.model
         for profile in profiles:
             out = args.out / profile
             argv = aiperf_argv(profile, url, model, model_dir, args, out)
@@ -160,12 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "report.json").write_text(json.dumps(results, indent=2) + "\n")
     print(text)
     return 0
-
-
-def _served_model(url: str) -> str:
-    from bench.multiturn.servers import served_model
-
-    return served_model(url, {})
 
 
 if __name__ == "__main__":

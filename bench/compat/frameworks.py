@@ -19,7 +19,15 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from bench.compat.tools import REPO, RESULTS, default_model_dir, our_server, run, tool
+from bench.compat.tools import (
+    REPO,
+    RESULTS,
+    default_model_dir,
+    our_server,
+    run,
+    served_model,
+    tool,
+)
 
 
 def report(records: list[dict]) -> str:
@@ -55,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     log = args.out / "chats.jsonl"
     with server as running:
         url = args.url or running.base_url
-        model = _served_model(url) if running is None else running.model
+        model = served_model(url) if running is None else running.model
         script = REPO / "bench" / "compat" / "framework_chats.py"
         argv = [str(python), str(script), "--url", url, "--model", model]
         run([*argv, "--max-tokens", str(args.max_tokens)], log)
@@ -64,12 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "report.md").write_text(text + "\n")
     print(text)
     return 0
-
-
-def _served_model(url: str) -> str:
-    from bench.multiturn.servers import served_model
-
-    return served_model(url, {})
 
 
 if __name__ == "__main__":

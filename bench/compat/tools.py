@@ -30,6 +30,13 @@ def default_model_dir() -> Path:
     return ensure_default_model()
 
 
+def served_model(url: str) -> str:
+    """The model a running service at ``url`` serves (its /v1/models)."""
+    from bench.multiturn.servers import served_model as listed
+
+    return listed(url, {})
+
+
 def offline_env() -> dict[str, str]:
     """The tools' environment: nothing may reach a model hub."""
     env = dict(os.environ)

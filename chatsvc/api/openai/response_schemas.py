@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from chatsvc.api.openai.schemas import refused_tools
+
 
 class InputText(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="input_text"):
     text: str
@@ -105,11 +107,7 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def refused_fields(self) -> list[str]:
         """The fields given with a value that asks for something not done here."""
-        refused = []
-        if self.tools:
-            refused.append("tools (this server runs no tools)")
-        if self.tool_choice not in (None, "none", "auto"):
-            refused.append("tool_choice (no tools: only 'none' or 'auto')")
+        refused = refused_tools(self.tools, self.tool_choice)
         if self.reasoning:
             refused.append("reasoning (the model does not reason in separate tokens)")
         if self.background:

@@ -17,6 +17,17 @@ import msgspec
 from chatsvc.api.openai.sampling_fields import SamplingFields
 
 
+def refused_tools(tools: list | None, tool_choice: str | dict | None) -> list[str]:
+    """The refusals of a request's tool fields (chat completions and Responses alike):
+    no tools run here, so only none and a choice that asks for none are accepted."""
+    refused = []
+    if tools:
+        refused.append("tools (this server runs no tools)")
+    if tool_choice not in (None, "none", "auto"):
+        refused.append("tool_choice (no tools: only 'none' or 'auto')")
+    return refused
+
+
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
@@ -99,11 +110,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     def refused_fields(self) -> list[str]:
         """The fields given with a value that asks for something not done here."""
-        refused = []
-        if self.tools:
-            refused.append("tools (this server runs no tools)")
-        if self.tool_choice not in (None, "none", "auto"):
-            refused.append("tool_choice (no tools: only 'none' or 'auto')")
+        refused = refused_tools(self.tools, self.tool_choice)
         if self.response_format is not None and self.response_format != {"type": "text"}:
             kind = self.response_format.get("type")
             refused.append(f"response_format ({kind!r}: only 'text'; no structured output)")
