@@ -43,7 +43,7 @@ from types import TracebackType
 
 from chatsvc.paths import PRIVATE_FILE_MODE, private_dir
 from chatsvc.store.errors import StoreError
-from chatsvc.store.socket_path import socket_path
+from chatsvc.store.socket_path import remove_fallback_dir, socket_path
 
 FSYNC_POLICIES = ("always", "everysec", "no")
 
@@ -330,20 +330,9 @@ class EmbeddedRedis:
         finally:
             self._process = None
             self._release_keeper()
-            self._remove_socket_dir()
+            if self.unix_socket is not None:
+                remove_fallback_dir(self.data_dir, self.unix_socket)
             self._drop_dir_lock()
-
-    def _remove_socket_dir(self) -> None:
-        # The temp-dir fallback (socket_path) is ours alone; left behind, every data dir
-        # ever served would leave one in /tmp. Empty once the server removed its socket
-        # on a clean shutdown; anything else in it (a killed server's socket) stays.
-        sock = self.unix_socket
-        if sock is None or self._explicit_socket is not None or sock.parent == self.data_dir:
-            return
-        try:
-            sock.parent.rmdir()
-        except OSError:
-            pass
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash would; what the AOF holds survives."""

@@ -15,6 +15,7 @@ is refused rather than used, since anyone could have made it first.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
@@ -54,8 +55,7 @@ def socket_path(data_dir: Path, explicit: Path | None = None) -> Path:
     inside = data_dir / SOCKET_NAME
     if fits(inside):
         return inside
-    digest = hashlib.sha256(os.fsencode(data_dir)).hexdigest()[:16]
-    fallback = Path(tempfile.gettempdir()) / f"chatsvc-{os.geteuid()}-{digest}" / SOCKET_NAME
+    fallback = _fallback(data_dir)
     if not fits(fallback):
         raise SocketPathError(
             f"{_too_long(inside)}, and so is the fallback {fallback}; "
@@ -63,6 +63,22 @@ def socket_path(data_dir: Path, explicit: Path | None = None) -> Path:
         )
     _private_socket_dir(fallback.parent)
     return fallback
+
+
+def remove_fallback_dir(data_dir: Path, sock: Path) -> None:
+    """Remove the temp-dir fallback's directory of a stopped server, if ``sock`` is in it
+    and it is empty (a clean shutdown removed the socket; a killed server's stays, and
+    so does the directory). Left behind, every long data dir ever served would leave
+    one in the temp dir."""
+    if sock.parent != _fallback(data_dir).parent:
+        return
+    with contextlib.suppress(OSError):
+        sock.parent.rmdir()
+
+
+def _fallback(data_dir: Path) -> Path:
+    digest = hashlib.sha256(os.fsencode(data_dir)).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"chatsvc-{os.geteuid()}-{digest}" / SOCKET_NAME
 
 
 def _too_long(path: Path) -> str:
